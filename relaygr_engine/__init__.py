@@ -1,0 +1,41 @@
+"""relaygr-engine: relay-race inference for generative-recommendation rankers.
+
+A user's long-term behavior prefix is pre-inferred early (at retrieval), its per-layer KV stays resident in device
+memory as pages, and the ranking stage computes only the new tokens and the candidates against the cached prefix.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Public names and the module that defines each; resolved on first access so `import relaygr_engine` stays cheap.
+_EXPORTS = {
+    "CacheConfig": ".config",
+    "AttentionBackend": ".config",
+    "PrefixBlockPool": "._ext",
+    "PagedKVCache": ".cache",
+    "GRModelConfig": ".models",
+    "Behaviors": ".models",
+    "GRRanker": ".models",
+    "build_ranker": ".models",
+    "RelayEngine": ".engine",
+    "PrefixTicket": ".engine",
+    "RankRequest": ".engine",
+    "RankResult": ".engine",
+    "paged_prefix_attention": ".ops",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'relaygr_engine' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,125 @@
+"""Device-resident paged prefix-KV storage paired with the block pool."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ._ext import PrefixBlockPool
+from .config import CacheConfig
+
+__all__ = ["PagedKVCache"]
+
+
+def _as_index(name: str, pages, num_pages: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(pages) if not isinstance(pages, torch.Tensor) else pages)
+    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32/int64 array of page ids, got {tuple(t.shape)} {t.dtype}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_pages):
+        raise IndexError(f"{name} must hold page ids in [0, {num_pages}), got range "
+                         f"[{int(t.min())}, {int(t.max())}]")
+    return t.to(device=device, dtype=torch.long)
+
+
+class PagedKVCache:
+    """Per-layer paged K/V storage on one device, with a :class:`PrefixBlockPool` managing its pages.
+
+    Layout (FlashInfer / NVIDIA HSTU "NHD"): layer ``l`` is ``kv[l]`` of shape
+    ``[num_pages, 2, page_size, num_heads, head_dim]`` (index 0 = K, 1 = V). Token ``t`` of an entry whose pages are
+    ``pages`` lives in page ``pages[t // page_size]``, slot ``t % page_size``. ``timestamps`` of shape
+    ``[num_pages, page_size]`` (int64) holds each cached token's timestamp beside its KV (for time-aware biases).
+
+    Parameters
+    ----------
+    config : CacheConfig
+    num_layers, num_heads, head_dim : int
+        The model's attention shape.
+    """
+
+    def __init__(self, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int) -> None:
+        for name, v in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.config = config
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        self.dtype = config.dtype
+        self.num_pages = config.resolve_num_pages(num_layers, num_heads, head_dim)
+        self.pool = PrefixBlockPool(self.num_pages, self.page_size, config.max_pinned_pages(self.num_pages))
+        shape = (self.num_pages, 2, self.page_size, num_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self.timestamps = torch.zeros((self.num_pages, self.page_size), dtype=torch.long, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the KV storage and timestamps."""
+        return sum(t.numel() * t.element_size() for t in self.kv) + self.timestamps.numel() * 8
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(device={self.device}, dtype={self.dtype}, layers={self.num_layers}, "
+                f"heads={self.num_heads}, head_dim={self.head_dim}, pages={self.num_pages}x{self.page_size}, "
+                f"bytes={self.nbytes}, pool={self.pool.implementation})")
+
+    # ------------------------------------------------------------------ slot arithmetic
+    def slots(self, pages, start: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids and in-page offsets of tokens ``start .. start+num_tokens-1`` of an entry.
+
+        Returns
+        -------
+        page_idx, slot_idx : LongTensor [num_tokens] each, on the cache device.
+        """
+        p = _as_index("pages", pages, self.num_pages, self.device)
+        if start < 0 or num_tokens < 0 or start + num_tokens > p.numel() * self.page_size:
+            raise ValueError(f"tokens [{start}, {start + num_tokens}) do not fit in {p.numel()} pages of "
+                             f"{self.page_size} tokens")
+        t = torch.arange(start, start + num_tokens, device=self.device)
+        return p[t // self.page_size], t % self.page_size
+
+    # ------------------------------------------------------------------ writes and reads
+    def _check_kv(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.num_heads, self.head_dim):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must have shape [n, {self.num_heads}, {self.head_dim}], got {got}")
+        if x.device != self.device:
+            raise ValueError(f"{name} must be on {self.device}, got {x.device}")
+
+    def write(self, layer: int, pages, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store K and V ``[n, H, D]`` of tokens ``start .. start+n-1`` of the entry owning ``pages``."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        self._check_kv("k", k)
+        self._check_kv("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        page_idx, slot_idx = self.slots(pages, start, k.shape[0])
+        buf = self.kv[layer]
+        buf[page_idx, 0, slot_idx] = k.to(self.dtype)
+        buf[page_idx, 1, slot_idx] = v.to(self.dtype)
+
+    def write_timestamps(self, pages, timestamps: torch.Tensor, start: int = 0) -> None:
+        """Store int64 timestamps ``[n]`` of tokens ``start .. start+n-1`` beside their KV."""
+        ts = torch.as_tensor(timestamps)
+        if ts.dim() != 1:
+            raise ValueError(f"timestamps must be 1-D, got shape {tuple(ts.shape)}")
+        page_idx, slot_idx = self.slots(pages, start, ts.shape[0])
+        self.timestamps[page_idx, slot_idx] = ts.to(device=self.device, dtype=torch.long)
+
+    def gather(self, layer: int, pages, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies of the first ``num_tokens`` tokens' K and V, each ``[num_tokens, H, D]``."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        page_idx, slot_idx = self.slots(pages, 0, num_tokens)
+        buf = self.kv[layer]
+        return buf[page_idx, 0, slot_idx], buf[page_idx, 1, slot_idx]
+
+    def gather_timestamps(self, pages, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` cached timestamps, int64 ``[num_tokens]``."""
+        page_idx, slot_idx = self.slots(pages, 0, num_tokens)
+        return self.timestamps[page_idx, slot_idx]
+
+    def page_table(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``kv_indptr [B+1]``, ``kv_indices [nnz]``, ``kv_last_page_len [B]`` as int32 tensors on the device."""
+        indptr, indices, last = self.pool.page_table(keys)
+        return tuple(torch.from_numpy(a).to(self.device) for a in (indptr, indices, last))

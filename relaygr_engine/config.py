@@ -1,0 +1,139 @@
+"""Configuration dataclasses and choice enums of the engine."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["AttentionBackend", "CacheConfig", "parse_choice", "resolve_dtype"]
+
+
+def parse_choice(enum_cls: type[enum.Enum], value, name: str):
+    """Turn ``value`` (an enum member or its string value) into a member of ``enum_cls``.
+
+    Raises ``ValueError`` naming ``name`` and listing the valid choices.
+    """
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(str(value).lower())
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+class AttentionBackend(str, enum.Enum):
+    """Which implementation runs attention over cached pages."""
+
+    AUTO = "auto"      # Triton on CUDA/NPU, torch elsewhere
+    TORCH = "torch"    # pure-torch reference (any device)
+    TRITON = "triton"  # Triton kernels (CUDA, NPU, or the CPU interpreter with TRITON_INTERPRET=1)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """Map ``"float32" | "float16" | "bfloat16"`` (or a torch dtype) to a torch dtype; ValueError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(_DTYPES))}, got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where and how the prefix KV cache lives.
+
+    Parameters
+    ----------
+    device : str
+        ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"`` or ``"npu"``.
+    dtype : str or torch.dtype
+        KV storage dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``.
+    page_size : int
+        Tokens per page (default 16).
+    num_pages : int, optional
+        Pages in the pool. Give this or ``hbm_bytes``; with neither, 4096 pages.
+    hbm_bytes : int, optional
+        Byte budget for the device KV storage (all layers, K and V, plus timestamps); the page count is derived
+        from it and the model's shape.
+    max_pinned_fraction : float
+        Share of pages that pinned (leased or being read) prefixes may hold, in (0, 1] (default 0.5). Past it a new
+        pre-infer is refused, so leases can never starve ranking of pages.
+    lease_ttl_s : float
+        How long a pre-inferred prefix stays pinned waiting for its ranking request (the relay window), > 0.
+    attention_backend : {"auto", "torch", "triton"}
+        Attention over cached pages; "auto" picks Triton on CUDA/NPU and torch elsewhere.
+    dram_bytes : int
+        Byte budget of the server-local DRAM tier (0 turns it off).
+    """
+
+    device: str = "cpu"
+    dtype: Union[str, torch.dtype] = "float32"
+    page_size: int = 16
+    num_pages: Optional[int] = None
+    hbm_bytes: Optional[int] = None
+    max_pinned_fraction: float = 0.5
+    lease_ttl_s: float = 1.0
+    attention_backend: Union[str, AttentionBackend] = AttentionBackend.AUTO
+    dram_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        object.__setattr__(self, "attention_backend",
+                           parse_choice(AttentionBackend, self.attention_backend, "attention_backend"))
+        dev = torch.device(self.device) if not isinstance(self.device, torch.device) else self.device
+        if dev.type not in ("cpu", "cuda", "npu"):
+            raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'npu[:N]', got {self.device!r}")
+        object.__setattr__(self, "device", str(dev))
+        _positive_int("page_size", self.page_size)
+        if self.num_pages is not None and self.hbm_bytes is not None:
+            raise ValueError("give num_pages or hbm_bytes, not both "
+                             f"(got num_pages={self.num_pages}, hbm_bytes={self.hbm_bytes})")
+        if self.num_pages is not None:
+            _positive_int("num_pages", self.num_pages)
+        if self.hbm_bytes is not None:
+            _positive_int("hbm_bytes", self.hbm_bytes)
+        f = self.max_pinned_fraction
+        if not (isinstance(f, (int, float)) and 0 < f <= 1):
+            raise ValueError(f"max_pinned_fraction must be in (0, 1], got {f!r}")
+        t = self.lease_ttl_s
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {t!r}")
+        if not isinstance(self.dram_bytes, int) or isinstance(self.dram_bytes, bool) or self.dram_bytes < 0:
+            raise ValueError(f"dram_bytes must be an integer >= 0, got {self.dram_bytes!r}")
+
+    def page_bytes(self, num_layers: int, num_heads: int, head_dim: int) -> int:
+        """Bytes one page takes on the device: K and V of every layer plus its int64 timestamps."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return num_layers * 2 * self.page_size * num_heads * head_dim * elem + self.page_size * 8
+
+    def resolve_num_pages(self, num_layers: int, num_heads: int, head_dim: int) -> int:
+        """The pool's page count: ``num_pages``, or as many pages as ``hbm_bytes`` holds, or 4096."""
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.hbm_bytes is None:
+            return 4096
+        n = self.hbm_bytes // self.page_bytes(num_layers, num_heads, head_dim)
+        if n < 1:
+            raise ValueError(f"hbm_bytes={self.hbm_bytes} holds no page: one page needs "
+                             f"{self.page_bytes(num_layers, num_heads, head_dim)} bytes")
+        return int(n)
+
+    def max_pinned_pages(self, num_pages: int) -> int:
+        """Pinned-page budget for a pool of ``num_pages`` pages (at least 1)."""
+        return max(1, int(num_pages * self.max_pinned_fraction))
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
