@@ -91,8 +91,11 @@ class CacheConfig:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         object.__setattr__(self, "attention_backend",
                            parse_choice(AttentionBackend, self.attention_backend, "attention_backend"))
-        dev = torch.device(self.device) if not isinstance(self.device, torch.device) else self.device
-        if dev.type not in ("cpu", "cuda", "npu"):
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda", "npu"):
             raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'npu[:N]', got {self.device!r}")
         object.__setattr__(self, "device", str(dev))
         _positive_int("page_size", self.page_size)

@@ -1,0 +1,26 @@
+"""Shared fixtures: every pool test runs against each pool implementation available."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from relaygr_engine._ext import EXTENSION_ERROR, pool_implementations
+
+IMPLS = pool_implementations()
+
+
+@pytest.fixture(params=sorted(IMPLS), ids=lambda name: f"pool={name}")
+def pool_cls(request):
+    """The pool class of each implementation ("cpp" when the extension is built, and "python")."""
+    return IMPLS[request.param]
+
+
+def pytest_report_header(config):
+    return f"relaygr pool implementations: {sorted(IMPLS)}" + (f" (extension: {EXTENSION_ERROR})"
+                                                               if EXTENSION_ERROR else "")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RELAYGR_REQUIRE_EXT") == "1" and "cpp" not in IMPLS:
+        raise pytest.UsageError(f"RELAYGR_REQUIRE_EXT=1 but relaygr_engine._C did not load: {EXTENSION_ERROR}")

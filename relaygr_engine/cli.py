@@ -1,0 +1,86 @@
+"""The ``relaygr`` command line.
+
+``relaygr info``                  devices, extension status, versions
+``relaygr bench <name> [...]``    a benchmark from ``relaygr_engine.bench.<name>`` (pool, rank, kernels, tiers, slo)
+``relaygr calibrate [...]``       measure the latency profile the trigger uses
+``relaygr demo [...]``            the main job: relay-race vs full inference under a P99 SLO on a real-log workload
+``relaygr serve [...]``           Ray Serve replicas with relay engines
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from typing import Optional
+
+# command word -> module whose main(argv) runs it
+_COMMANDS = {
+    "calibrate": "relaygr_engine.bench.calibrate",
+    "demo": "relaygr_engine.bench.demo",
+    "serve": "relaygr_engine.serving.cli",
+}
+
+
+def _benchmarks() -> list[str]:
+    import relaygr_engine.bench as bench
+    skip = {"workload", "report", "serving", "demo", "calibrate", "common"}
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in skip)
+
+
+def info() -> int:
+    """Print devices, extension status and versions."""
+    import platform
+
+    import numpy
+    import torch
+
+    from . import __version__
+    from ._ext import EXTENSION_ERROR, EXTENSION_LOADED
+
+    print(f"relaygr-engine {__version__}")
+    print(f"python         {platform.python_version()} ({platform.machine()})")
+    print(f"torch          {torch.__version__}")
+    print(f"numpy          {numpy.__version__}")
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "not installed"
+    print(f"triton         {triton_v}")
+    print(f"block pool     {'C++ extension (relaygr_engine._C)' if EXTENSION_LOADED else 'pure Python'}"
+          + ("" if EXTENSION_LOADED else f"  [{EXTENSION_ERROR}]"))
+    cuda = torch.cuda.is_available()
+    print(f"cuda           {torch.cuda.get_device_name(0) if cuda else 'not available'}")
+    npu = importlib.util.find_spec("torch_npu") is not None
+    print(f"npu            {'torch_npu installed' if npu else 'not available'}")
+    print(f"cpu threads    {torch.get_num_threads()}")
+    print(f"RESULT extension_loaded={int(EXTENSION_LOADED)} cuda={int(cuda)} torch={torch.__version__}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: relaygr {info | bench NAME | calibrate | demo | serve} [options]\n"
+             "       relaygr bench NAME --help   for a benchmark's options")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + usage)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "info":
+        return info()
+    if cmd == "bench":
+        names = _benchmarks()
+        if not rest or rest[0] not in names:
+            got = rest[0] if rest else "nothing"
+            print(f"relaygr bench: NAME must be one of {', '.join(names)}, got {got}", file=sys.stderr)
+            return 2
+        module = importlib.import_module(f"relaygr_engine.bench.{rest[0]}")
+        return int(module.main(rest[1:]) or 0)
+    if cmd in _COMMANDS:
+        return int(importlib.import_module(_COMMANDS[cmd]).main(rest) or 0)
+    print(f"relaygr: unknown command {cmd!r}; valid: info, bench, {', '.join(_COMMANDS)}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
