@@ -1,0 +1,92 @@
+"""HostKVTier (DRAM tier) and SingleFlight."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from relaygr_engine.tiers import DramEntry, HostKVTier, SingleFlight
+
+
+def _entry(user, fp, tokens, layers=2, heads=2, dim=4):
+    kv = torch.randn(layers, 2, tokens, heads, dim)
+    return DramEntry(user, fp, tokens, kv, torch.arange(tokens))
+
+
+def test_put_get_lru_and_budget():
+    one = _entry(0, 0, 8).nbytes
+    tier = HostKVTier(capacity_bytes=3 * one)
+    for u in range(3):
+        assert tier.put(_entry(u, 0, 8))
+    assert tier.get(0, 0) is not None  # user 0 becomes most recent: LRU order 1, 2, 0
+    assert tier.put(_entry(3, 0, 8))
+    assert (1, 0) not in tier and (0, 0) in tier and (2, 0) in tier
+    assert tier.used_bytes == 3 * one
+    s = tier.stats()
+    assert s["dram_evictions"] == 1 and s["dram_entries"] == 3 and s["dram_lookup_hits"] == 1
+    assert tier.get(1, 0) is None and tier.stats()["dram_lookups"] == 2
+
+
+def test_replacing_a_key_does_not_double_count():
+    tier = HostKVTier(capacity_bytes=1 << 20)
+    tier.put(_entry(1, 1, 8))
+    tier.put(_entry(1, 1, 8))
+    assert len(tier) == 1 and tier.used_bytes == _entry(1, 1, 8).nbytes
+    assert tier.entries_of(1) == [(1, 8)]
+    assert tier.discard(1, 1) and not tier.discard(1, 1) and tier.used_bytes == 0
+
+
+def test_entry_larger_than_budget_is_refused():
+    tier = HostKVTier(capacity_bytes=100)
+    assert not tier.put(_entry(1, 1, 64))
+    assert len(tier) == 0 and tier.stats()["dram_put_refused"] == 1
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostKVTier(0)
+    if torch.cuda.is_available():
+        tier = HostKVTier(1 << 20)
+        e = DramEntry(1, 1, 4, torch.zeros(1, 2, 4, 1, 1, device="cuda"), torch.zeros(4, dtype=torch.long))
+        with pytest.raises(ValueError, match="host tensor"):
+            tier.put(e)
+
+
+def test_single_flight_runs_once_for_concurrent_callers():
+    flight = SingleFlight()
+    calls = []
+    gate = threading.Event()
+
+    def work():
+        calls.append(1)
+        assert gate.wait(30)
+        return "loaded"
+
+    results = []
+
+    def caller():
+        results.append(flight.do("user-7", work))
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while flight.callers("user-7") < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)  # wait until every caller has joined the flight
+    assert flight.callers("user-7") == 8
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert sorted(r[1] for r in results) == [False] * 7 + [True]
+    assert all(r[0] == "loaded" for r in results)
+    assert flight.do("user-7", lambda: "again") == ("again", True)  # a finished flight does not linger
+
+
+def test_single_flight_propagates_errors():
+    flight = SingleFlight()
+    with pytest.raises(RuntimeError, match="boom"):
+        flight.do(1, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert flight.do(1, lambda: 5) == (5, True)
