@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
+import torch
 
-from relaygr_engine._ext import EXTENSION_ERROR, pool_implementations
+# Triton reads TRITON_INTERPRET when it is first imported: without a GPU, kernels run in the CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from relaygr_engine._ext import EXTENSION_ERROR, pool_implementations  # noqa: E402
 
 IMPLS = pool_implementations()
 

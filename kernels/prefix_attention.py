@@ -1,0 +1,459 @@
+"""Paged prefix attention: new history tokens and candidates of a batch of users against their cached prefix pages.
+
+One launch serves a varlen batch. Work is split into tiles of ``BLOCK_M`` consecutive query rows of one user and one
+head; a program takes one tile (or, with a persistent grid, loops over tiles ``pid, pid + programs, ...``). For its
+tile it
+
+1. starts candidate rows from their one self term (a candidate sees itself, never another candidate), so the rows'
+   own K/V are dead before the key loops; then streams
+2. the user's cached prefix from the paged cache, ``BLOCK_N`` tokens at a time (each token's page id read from
+   ``kv_indices``, the partial last page masked), which every row of the tile sees; then
+3. the user's new history K/V rows (causal for history rows; all of them for candidate rows).
+
+All candidates of a user in one tile share every prefix page load, so the prefix is read once per tile, not once per
+candidate.
+
+Modes
+-----
+softmax  online softmax in fp32 (running max and sum, ``exp2`` with the scale folded in).
+hstu     ``sum_j SiLU(alpha * q.k_j + rab_ij) v_j / N``: pointwise, so no running max or log-sum-exp. The relative
+         bias ``rab`` is computed in the kernel from integer positions and int64 timestamps (``pos_bias[min(dq,
+         P-1)] + ts_bias[bucket(t_q - t_k)]``), never materialised as a ``[queries, keys]`` tensor.
+
+Positions: prefix token ``j`` -> ``j``; new history token ``i`` -> ``P + i``; every candidate -> ``P + n`` (the
+history length). So key ``j`` of the concatenated sequence [prefix | new history] has position ``j``, and row ``r``
+sees keys ``j < P + min(r + 1, n)``.
+
+Only plain pointer arithmetic with masks is used (no block pointers, no tensor descriptors), so the same source runs
+through triton-ascend and Triton's CPU interpreter.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common as C
+
+__all__ = ["prefix_attention", "AttentionMode", "KernelConfig", "pick_config"]
+
+
+class AttentionMode(str, enum.Enum):
+    SOFTMAX = "softmax"
+    HSTU = "hstu"
+
+
+# ------------------------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _time_bucket(dt, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr):
+    """``min(bit_length(max(dt, 0)), TS_BITS)`` of an int64 tile, with integer compares and shifts only.
+
+    Clamping ``dt`` to ``2**TS_BITS - 1`` first caps the bit length at ``TS_BITS`` (bit_length is monotone); a
+    binary search over ``TS_STEPS`` shifts (``2**TS_STEPS >= TS_BITS``) then counts the bits. Values of at most 31
+    bits are searched in int32.
+    """
+    d = tl.minimum(tl.maximum(dt, 0), (1 << TS_BITS) - 1)
+    if TS_BITS <= 31:
+        d = d.to(tl.int32)
+    bits = tl.zeros_like(d)
+    for j in tl.static_range(TS_STEPS - 1, -1, -1):  # shift by 2**j: 32, 16, ..., 1
+        big = d >= (1 << (1 << j))
+        d = tl.where(big, d >> (1 << j), d)
+        bits += tl.where(big, 1 << j, 0)
+    return bits + d  # d is now 0 or 1: the top bit
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
+    kv_ptr,                                           # [num_pages, 2, PAGE_SIZE, H, D]
+    kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,       # paged layout (int32)
+    cu_q_ptr, num_cand_ptr,                           # query layout (int32)
+    tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
+    pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr,
+    num_heads, num_work, num_programs,
+    num_pos, stride_ts_page,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_page, stride_kv, stride_slot, stride_head,
+    scale, inv_norm,
+    tune_len,                                         # autotune key only (rounded key length)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    qk_scale = scale * LOG2E
+
+    for work in range(pid, num_work, num_programs):
+        tile = work // num_heads
+        head = work % num_heads
+        user = tl.load(tile_user_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile)
+        q_start = tl.load(cu_q_ptr + user)
+        seqlen = tl.load(cu_q_ptr + user + 1) - q_start
+        n_hist = seqlen - tl.load(num_cand_ptr + user)
+        page_lo = tl.load(kv_indptr_ptr + user)
+        n_pages = tl.load(kv_indptr_ptr + user + 1) - page_lo
+        prefix_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + tl.load(kv_last_ptr + user), 0)
+
+        rows = row0 + offs_m                                    # rows of the user's segment
+        row_ok = rows < seqlen
+        is_cand = row_ok & (rows >= n_hist)
+        g_rows = (q_start + rows).to(tl.int64)                  # rows of q/k/v/out
+        q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        key_limit = prefix_len + tl.minimum(rows + 1, n_hist)   # row r sees keys j < key_limit[r]
+        if HAS_POS:
+            q_pos = prefix_len + tl.minimum(rows, n_hist)
+        if HAS_TS:
+            t_q = tl.load(ts_q_ptr + g_rows, mask=row_ok, other=0)
+
+        # Candidate rows start from their self term (key = the row's own k/v, distance 0, time delta 0), so the
+        # state enters the key loop already holding it and k/v of the rows are dead before the loop.
+        self_ok = is_cand[:, None] & d_ok[None, :]
+        k_self = tl.load(k_ptr + g_rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
+                         mask=self_ok, other=0.0).to(tl.float32)
+        v_self = tl.load(v_ptr + g_rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
+                         mask=self_ok, other=0.0).to(tl.float32)
+        s_self = tl.sum(q.to(tl.float32) * k_self, 1)
+        if HSTU:
+            s_self = s_self * scale
+            if HAS_POS:
+                s_self += tl.load(pos_bias_ptr)
+            if HAS_TS:
+                s_self += tl.load(ts_bias_ptr)
+            p_self = tl.where(is_cand, s_self * tl.sigmoid(s_self), 0.0)
+            acc = p_self[:, None] * v_self
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused in hstu mode
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            m_i = tl.where(is_cand, s_self * qk_scale, -1.0e30)  # running max of log2-scaled logits
+            l_i = tl.where(is_cand, 1.0, 0.0)                     # running sum of exp2(logit - m_i)
+            acc = v_self                                          # zero for non-candidate rows
+        new_end = tl.minimum(n_hist, row0 + BLOCK_M)            # new history keys any row of the tile sees
+
+        # Phase 0 streams cached prefix tokens [0, P) from pages, phase 1 new history rows [P, P + new_end).
+        for PHASE in tl.static_range(2):
+            if PHASE == 0:
+                lo = 0
+                hi = prefix_len
+            else:
+                lo = prefix_len
+                hi = prefix_len + new_end
+            for start in range(lo, hi, BLOCK_N):
+                kpos = start + offs_n
+                k_ok = kpos < hi
+                kd_ok = k_ok[:, None] & d_ok[None, :]
+                if PHASE == 0:
+                    page = tl.load(kv_indices_ptr + page_lo + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+                    slot = kpos % PAGE_SIZE
+                    kv_off = page * stride_page + slot * stride_slot + head * stride_head
+                    k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kd_ok, other=0.0)
+                    v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :], mask=kd_ok, other=0.0)
+                    if HAS_TS:
+                        t_k = tl.load(ts_cache_ptr + page * stride_ts_page + slot, mask=k_ok, other=0)
+                else:
+                    k_rows = (q_start + kpos - prefix_len).to(tl.int64)
+                    k = tl.load(k_ptr + k_rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
+                                mask=kd_ok, other=0.0)
+                    v = tl.load(v_ptr + k_rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
+                                mask=kd_ok, other=0.0)
+                    if HAS_TS:
+                        t_k = tl.load(ts_q_ptr + k_rows, mask=k_ok, other=0)
+
+                visible = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] < key_limit[:, None])
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                if HSTU:
+                    s = s * scale
+                    if HAS_POS:
+                        dist = tl.maximum(tl.minimum(q_pos[:, None] - kpos[None, :], num_pos - 1), 0)
+                        s += tl.load(pos_bias_ptr + dist, mask=visible, other=0.0)
+                    if HAS_TS:
+                        bucket = _time_bucket(t_q[:, None] - t_k[None, :], TS_BITS, TS_STEPS)
+                        s += tl.load(ts_bias_ptr + bucket, mask=visible, other=0.0)
+                    p = tl.where(visible, s * tl.sigmoid(s), 0.0)
+                    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                else:
+                    s = tl.where(visible, s * qk_scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(s - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                    m_i = m_new
+
+        if HSTU:
+            out = acc * inv_norm
+        else:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of one call (``block_n=None``: autotuned on CUDA)."""
+
+    block_m: int
+    block_n: Optional[int]
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+# Interpreter: small tiles keep numpy work per step low while leaving few steps per tile.
+INTERPRETER_BLOCK_M = 32
+INTERPRETER_BLOCK_N = 32
+# CUDA: BLOCK_N / warps / stages are autotuned (BLOCK_M fixes the tile table, so it is chosen by rule).
+CUDA_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+]
+# NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
+NPU_BLOCK_M = 64
+NPU_BLOCK_N = 64
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "HSTU", "HAS_POS", "HAS_TS", "tune_len"]
+
+
+def pick_config(device: torch.device, dtype: torch.dtype, head_dim: int, block_m: int | None = None,
+                block_n: int | None = None, *, interpreted: bool = False) -> KernelConfig:
+    """Tile sizes for a call; ``block_n=None`` on CUDA means "autotune"."""
+    if interpreted or device.type == "cpu":
+        return KernelConfig(block_m or INTERPRETER_BLOCK_M, block_n or INTERPRETER_BLOCK_N)
+    if device.type == "npu":  # pragma: no cover - needs an Ascend host
+        return KernelConfig(block_m or NPU_BLOCK_M, block_n or NPU_BLOCK_N)
+    if block_m is None:
+        block_m = 64 if dtype == torch.float32 or head_dim > 128 else 128
+    return KernelConfig(block_m, block_n, num_warps=4 if block_n else None, num_stages=2 if block_n else None)
+
+
+_autotuned = None
+
+
+def _autotuned_kernel():
+    global _autotuned
+    if _autotuned is None:
+        _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS)(_prefix_attention_kernel)
+    return _autotuned
+
+
+# ------------------------------------------------------------------------------------------------------ launcher
+def _parse_mode(mode) -> AttentionMode:
+    value = getattr(mode, "value", mode)
+    try:
+        return AttentionMode(str(value).lower())
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in AttentionMode)
+        raise ValueError(f"mode must be one of {choices}, got {mode!r}") from None
+
+
+def _bias_table(name: str, table, device: torch.device) -> torch.Tensor:
+    """A 1-D floating bias table as contiguous fp32 (tables are tiny; the kernel reads fp32)."""
+    C.check_tensor(name, table, ndim=1, dtypes=C.FLOAT_DTYPES + (torch.float64,), device=device, contiguous=False)
+    if table.numel() < 1:
+        raise ValueError(f"{name} must have at least one entry")
+    return table.to(torch.float32).contiguous()
+
+
+def _dot_precision(dtype: torch.dtype, allow_tf32: bool):
+    """``tl.dot`` input precision: IEEE fp32 unless TF32 is allowed; the backend default for fp16/bf16."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if allow_tf32 else "ieee"
+
+
+def _ts_search(num_buckets: int) -> tuple[int, int]:
+    """(TS_BITS, TS_STEPS) for ``bucket = min(bit_length(d), num_buckets - 1)`` of int64 deltas."""
+    bits = min(num_buckets - 1, 63)
+    steps = 0
+    while (1 << steps) < bits:
+        steps += 1
+    return bits, steps
+
+
+def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, total_q, page_size,
+          num_pages, block_m, device):
+    """Read the small metadata on the host (one transfer), check it, and build the tile table.
+
+    Returns ``(tile_user, tile_row, num_tiles, max_key_len, num_cached_tokens)``; the tables are int32 tensors on
+    ``device``.
+    """
+    b = num_candidates.numel()
+    parts = [cu_seqlens_q, num_candidates, kv_indptr, kv_last_page_len]
+    if kv_indices.numel():
+        parts += [kv_indices.min().reshape(1), kv_indices.max().reshape(1)]
+    host = torch.cat(parts).cpu().to(torch.int64)
+    cu, cand = host[:b + 1], host[b + 1:2 * b + 1]
+    indptr, last = host[2 * b + 1:3 * b + 2], host[3 * b + 2:4 * b + 2]
+    seqlens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((seqlens < 0).any()) or int(cu[-1]) != total_q:
+        raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at total_q={total_q}, "
+                         f"got {cu.tolist()}")
+    if bool((cand < 0).any()) or bool((cand > seqlens).any()):
+        raise ValueError(f"num_candidates must be in [0, segment length] per user, got {cand.tolist()} for "
+                         f"segment lengths {seqlens.tolist()}")
+    pages = indptr[1:] - indptr[:-1]
+    if int(indptr[0]) < 0 or bool((pages < 0).any()) or int(indptr[-1]) > kv_indices.numel():
+        raise ValueError(f"kv_indptr must be >= 0, never decrease and end within kv_indices "
+                         f"({kv_indices.numel()} entries), got {indptr.tolist()}")
+    with_pages = pages > 0
+    if bool((with_pages & ((last < 1) | (last > page_size))).any()) or bool((~with_pages & (last != 0)).any()):
+        raise ValueError(f"kv_last_page_len must be in [1, {page_size}] for users with pages and 0 for users "
+                         f"without, got {last.tolist()} for page counts {pages.tolist()}")
+    if kv_indices.numel():
+        lo, hi = int(host[-2]), int(host[-1])
+        if lo < 0 or hi >= num_pages:
+            raise IndexError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{lo}, {hi}]")
+    prefix = torch.where(with_pages, (pages - 1) * page_size + last, torch.zeros_like(pages))
+    tiles = (seqlens + block_m - 1) // block_m
+    num_tiles = int(tiles.sum())
+    tile_user = torch.repeat_interleave(torch.arange(b), tiles)
+    first = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    tile_row = (torch.arange(num_tiles) - first) * block_m
+    table = torch.stack([tile_user, tile_row]).to(torch.int32).to(device)
+    max_key_len = int((prefix + seqlens).max()) if b else 0
+    return table[0], table[1], num_tiles, max_key_len, int(prefix.sum())
+
+
+def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
+                     mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
+                     persistent=False, block_m=None, block_n=None, allow_tf32=False) -> torch.Tensor:
+    """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
+
+    Parameters
+    ----------
+    q, k, v : Tensor [total_q, H, D]
+        Per user, its new history rows then its candidates, user after user (fp32/fp16/bf16, one dtype).
+    kv_cache : Tensor [num_pages, 2, page_size, H, D]
+        One layer's paged cache (index 0 = K, 1 = V), dtype of ``q``.
+    kv_indptr : int32 Tensor [B+1]
+        Offsets of each user's pages in ``kv_indices``.
+    kv_indices : int32 Tensor [nnz]
+        Page ids, user after user, in token order.
+    kv_last_page_len : int32 Tensor [B]
+        Tokens in the user's last page (1..page_size); 0 for a user without cached prefix.
+    cu_seqlens_q : int32 Tensor [B+1]
+        Row offsets of each user's segment in ``q``.
+    num_candidates : int32 Tensor [B]
+        The last ``num_candidates[b]`` rows of user ``b``'s segment are candidates.
+    mode : {"softmax", "hstu"}
+    scale : float
+        softmax: logit scale; hstu: ``alpha`` in ``SiLU(alpha * q.k + rab)``.
+    hstu_norm : float
+        hstu: the sum is divided by this constant ``N`` (> 0).
+    pos_bias : Tensor [P], optional
+        hstu: bias by position distance ``q_pos - k_pos`` clamped to ``P - 1`` (read as fp32).
+    ts_bias : Tensor [NB], optional
+        hstu: bias by time bucket ``min(bit_length(max(t_q - t_k, 0)), NB - 1)`` (read as fp32); needs ``ts_q``
+        and, when a user has cached pages, ``ts_cache``.
+    ts_cache : int64 Tensor [num_pages, page_size], optional
+        Timestamps of the cached tokens.
+    ts_q : int64 Tensor [total_q], optional
+        Timestamps of the query rows (candidates: the request time).
+    persistent : bool
+        Launch one program per core (SMs / AI cores; a few in the interpreter), each looping over tiles, instead
+        of one program per tile.
+    block_m, block_n : int, optional
+        Tile sizes (powers of two >= 16); default: by device (CUDA autotunes ``block_n``).
+    allow_tf32 : bool
+        fp32 inputs on CUDA: let ``tl.dot`` use TF32 (faster, ~1e-3 relative error) instead of IEEE fp32.
+
+    Returns
+    -------
+    Tensor [total_q, H, D]
+        In the dtype of ``q``; accumulation in fp32.
+
+    Notes
+    -----
+    The metadata (``cu_seqlens_q``, ``num_candidates``, ``kv_indptr``, ``kv_last_page_len`` and the range of
+    ``kv_indices``) is read on the host once per call to check it and to build the tile table, like FlashInfer's
+    ``plan``. Rows of one user are tiled together, so a tile of candidates reads each prefix page once.
+    """
+    mode = _parse_mode(mode)
+    hstu = mode is AttentionMode.HSTU
+    C.check_tensor("q", q, ndim=3, dtypes=C.FLOAT_DTYPES)
+    device = q.device
+    total_q, num_heads, head_dim = q.shape
+    C.check_tensor("k", k, shape=q.shape, dtypes=(q.dtype,), device=device)
+    C.check_tensor("v", v, shape=q.shape, dtypes=(q.dtype,), device=device)
+    C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim), dtypes=(q.dtype,),
+                   device=device)
+    num_pages, _, page_size = kv_cache.shape[:3]
+    C.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    batch = cu_seqlens_q.numel() - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
+    C.check_tensor("num_candidates", num_candidates, shape=(batch,), dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_last_page_len", kv_last_page_len, shape=(batch,), dtypes=(torch.int32,), device=device)
+    scale = C.check_scalar("scale", scale)
+    inv_norm = 1.0 / C.check_scalar("hstu_norm", hstu_norm, positive=True)
+    if not hstu and (pos_bias is not None or ts_bias is not None):
+        raise ValueError("pos_bias and ts_bias apply to mode='hstu' only; softmax mode takes no bias")
+    if pos_bias is not None:
+        pos_bias = _bias_table("pos_bias", pos_bias, device)
+    if ts_bias is not None:
+        ts_bias = _bias_table("ts_bias", ts_bias, device)
+        if ts_q is None:
+            raise ValueError("ts_bias needs ts_q (timestamps of the query rows) and, when a user has cached pages, "
+                             "ts_cache (timestamps of the cached tokens)")
+        C.check_tensor("ts_q", ts_q, shape=(total_q,), dtypes=(torch.int64,), device=device)
+        if ts_cache is not None:
+            C.check_tensor("ts_cache", ts_cache, shape=(num_pages, page_size), dtypes=(torch.int64,),
+                           device=device)
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
+    C.check_launchable(device, _prefix_attention_kernel)
+    if device.type == "cpu" and q.dtype != torch.float32:
+        raise ValueError(f"the CPU interpreter runs fp32 only (numpy has no bf16), got q.dtype={q.dtype}")
+
+    out = torch.empty_like(q)
+    if total_q == 0:
+        return out
+    cfg = pick_config(device, q.dtype, head_dim, block_m, block_n,
+                      interpreted=C.is_interpreted(_prefix_attention_kernel))
+    tile_user, tile_row, num_tiles, max_key_len, num_cached = _plan(
+        cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=total_q,
+        page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
+    if ts_bias is not None and ts_cache is None and num_cached:
+        raise ValueError(f"ts_bias needs ts_cache: {num_cached} cached tokens have no timestamps")
+    num_work = num_tiles * num_heads
+    programs = C.num_programs(device, num_work, persistent)
+    has_pos, has_ts = pos_bias is not None, ts_bias is not None
+    ts_bits, ts_steps = _ts_search(ts_bias.numel()) if has_ts else (1, 0)
+    dummy = q  # stands in for absent optional pointers (never read: their flags are off)
+    args = (
+        q, k, v, out, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
+        tile_user, tile_row,
+        pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
+        ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
+        num_heads, num_work, programs,
+        pos_bias.numel() if has_pos else 1, ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        scale, inv_norm, C.next_pow2(max_key_len),
+    )
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
+                BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
+                TS_STEPS=ts_steps, DOT_PRECISION=_dot_precision(q.dtype, allow_tf32))
+    with C.device_guard(device):
+        if cfg.block_n is None:
+            _autotuned_kernel()[(programs,)](*args, **meta)
+        else:
+            extra = {}
+            if cfg.num_warps is not None:
+                extra = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _prefix_attention_kernel[(programs,)](*args, BLOCK_N=cfg.block_n, **meta, **extra)
+    return out

@@ -1,0 +1,509 @@
+"""Triton kernels against their pure-torch references.
+
+Without CUDA the kernels run in Triton's CPU interpreter in fp32 (max abs diff <= 1e-4). Triton reads
+``TRITON_INTERPRET`` when it decorates ``@triton.jit`` functions, its own library functions included, so the variable
+is set here before triton's first import; if triton was already imported without it, ``test_interpreter_active``
+fails and says so. bf16 tests on CUDA skip where there is no CUDA device.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from relaygr_engine.kernels import _common  # noqa: E402
+from relaygr_engine.kernels.kv_pack import kv_pack, kv_unpack, packed_shape  # noqa: E402
+from relaygr_engine.kernels.kv_write import kv_write  # noqa: E402
+from relaygr_engine.kernels.prefix_attention import AttentionMode, prefix_attention  # noqa: E402
+from relaygr_engine.kernels.reference import (  # noqa: E402
+    kv_pack_ref, kv_unpack_ref, kv_write_ref, prefix_attention_ref, time_bucket_ref, visible_mask_ref)
+
+INTERPRETER = _common.interpreter_active()
+ATOL = 1e-4
+
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import); "
+                            "not active in this process")
+needs_cuda = pytest.mark.skipif(not CUDA or INTERPRETER,
+                                reason="needs a CUDA device and compiled Triton (no CUDA here, or interpreter mode)")
+gpu = pytest.mark.gpu
+
+
+# ------------------------------------------------------------------------------------------------ problem builder
+def make_problem(users, page_size, heads, head_dim, *, seed=0, spare_pages=3, num_buckets=16, num_pos=64,
+                 device="cpu", dtype=torch.float32):
+    """A random varlen batch; ``users`` = [(prefix_len, new_history, candidates), ...].
+
+    Pages are scattered (shuffled ids, spare pages between) and every unused cache slot holds NaN, so any read
+    outside a user's tokens poisons the output. Timestamps increase with log-uniform gaps (a few negative, to
+    exercise the clamp at 0); candidates share the request time.
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(_common.cdiv(p, page_size) for p, _, _ in users) + spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    kv_cache = torch.full((num_pages, 2, page_size, heads, head_dim), float("nan"))
+    ts_cache = torch.randint(-(1 << 40), 1 << 40, (num_pages, page_size), generator=g)
+    cu, cand, indptr, indices, last, ts_q = [0], [], [0], [], [], []
+    for p, n, c in users:
+        pages = [perm.pop() for _ in range(_common.cdiv(p, page_size))]
+        gaps = (2.0 ** (torch.rand(p + n + 1, generator=g) * 24)).long() - torch.randint(0, 3, (p + n + 1,),
+                                                                                         generator=g)
+        ts = torch.cumsum(gaps, 0) + (1 << 30)
+        for t in range(p):
+            page, slot = pages[t // page_size], t % page_size
+            kv_cache[page, :, slot] = torch.randn(2, heads, head_dim, generator=g)
+            ts_cache[page, slot] = ts[t]
+        ts_q += ts[p:p + n].tolist() + [int(ts[p + n])] * c
+        cu.append(cu[-1] + n + c)
+        cand.append(c)
+        indices += pages
+        indptr.append(len(indices))
+        last.append(0 if not pages else p - (len(pages) - 1) * page_size)
+    total = cu[-1]
+    q, k, v = (torch.randn(total, heads, head_dim, generator=g) for _ in range(3))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    args = dict(q=q, k=k, v=v, kv_cache=kv_cache)
+    args = {name: t.to(device=device, dtype=dtype) for name, t in args.items()}
+    args.update(kv_indptr=i32(indptr), kv_indices=i32(indices), kv_last_page_len=i32(last), cu_seqlens_q=i32(cu),
+                num_candidates=i32(cand))
+    bias = dict(pos_bias=(0.5 * torch.randn(num_pos, generator=g)).to(device),
+                ts_bias=(0.5 * torch.randn(num_buckets, generator=g)).to(device),
+                ts_cache=ts_cache.to(device), ts_q=torch.tensor(ts_q, dtype=torch.int64, device=device))
+    return args, bias
+
+
+def attention_kwargs(mode, bias, head_dim, which=("pos", "ts")):
+    if mode == "softmax":
+        return dict(mode="softmax", scale=1.0 / math.sqrt(head_dim))
+    kw = dict(mode="hstu", scale=1.0 / math.sqrt(head_dim), hstu_norm=64.0)
+    if "pos" in which:
+        kw["pos_bias"] = bias["pos_bias"]
+    if "ts" in which:
+        kw.update(ts_bias=bias["ts_bias"], ts_cache=bias["ts_cache"], ts_q=bias["ts_q"])
+    return kw
+
+
+def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL):
+    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n)
+    ref = prefix_attention_ref(**args, **kw)
+    assert out.shape == ref.shape and out.dtype == args["q"].dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ references
+def test_time_bucket_ref_is_clamped_bit_length():
+    values = [-(1 << 40), -1, 0, 1, 2, 3, 4, 5, 7, 8, 9, 255, 256, (1 << 20) - 1, 1 << 20, (1 << 62) + 3,
+              (1 << 63) - 1]
+    d = torch.tensor(values, dtype=torch.int64)
+    for nb in (1, 2, 8, 33, 64, 70):
+        want = [min(max(x, 0).bit_length(), nb - 1) for x in values]
+        assert time_bucket_ref(d, nb).tolist() == want
+
+
+def test_visible_mask_ref():
+    m = visible_mask_ref(num_prefix=2, num_hist=2, num_cand=2)
+    assert m.int().tolist() == [[1, 1, 1, 0, 0, 0],   # history 0: prefix + itself
+                                [1, 1, 1, 1, 0, 0],   # history 1: causal
+                                [1, 1, 1, 1, 1, 0],   # candidate 0: prefix + history + itself
+                                [1, 1, 1, 1, 0, 1]]   # candidate 1: never candidate 0
+
+
+def test_interpreter_active():
+    """Without CUDA the kernels must be testable here: the interpreter has to be on."""
+    if CUDA:
+        pytest.skip("CUDA present: kernels are compiled, not interpreted")
+    assert INTERPRETER, ("triton was imported before TRITON_INTERPRET=1 was set, so the CPU tests cannot run; "
+                         "set it in the environment or in a conftest.py before anything imports triton")
+
+
+# ------------------------------------------------------------------------------------------------ prefix attention
+# (users [(prefix, new history, candidates)], page_size, heads, head_dim, block_m, block_n)
+ATTN_CASES = {
+    "no-prefix": ([(0, 5, 3)], 16, 1, 32, None, None),
+    "prefix-1": ([(1, 3, 40)], 16, 2, 64, 16, 16),
+    "prefix-page-1": ([(15, 4, 10)], 16, 1, 32, None, None),
+    "prefix-page+1": ([(33, 0, 20)], 32, 1, 64, None, None),
+    "four-users-pages": ([(200, 7, 30), (0, 12, 0), (63, 1, 1), (130, 30, 5)], 64, 2, 128, 32, 16),
+    "hundreds-of-candidates": ([(100, 3, 300)], 16, 1, 32, 64, 64),
+    "head-dim-48": ([(40, 9, 17), (17, 2, 3)], 32, 2, 48, 16, 64),
+    "history-only-multi-tile": ([(70, 45, 0), (5, 1, 0)], 16, 1, 32, 16, 32),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+def test_prefix_attention_matches_reference(case, mode):
+    users, page_size, heads, head_dim, block_m, block_n = ATTN_CASES[case]
+    args, bias = make_problem(users, page_size, heads, head_dim, seed=len(case))
+    persistent = (sorted(ATTN_CASES).index(case) + (mode == "hstu")) % 2 == 0  # alternate the grid per case
+    check_attention(args, attention_kwargs(mode, bias, head_dim), persistent=persistent, block_m=block_m,
+                    block_n=block_n)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(8))
+def test_prefix_attention_random_shapes(seed):
+    """Random batches: 1-4 users, prefix 0..150, history 0..20, candidates 0..80, any page size, mode and grid."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
+    rand = lambda hi: int(torch.randint(hi + 1, (1,), generator=g))  # noqa: E731
+    users = [(rand(150), rand(20), rand(80)) for _ in range(1 + rand(3))]
+    page_size, head_dim, heads = pick([16, 32, 64]), pick([16, 32, 64]), 1 + rand(1)
+    mode = pick(["softmax", "hstu"])
+    args, bias = make_problem(users, page_size, heads, head_dim, seed=seed, num_pos=1 + rand(200),
+                              num_buckets=1 + rand(40))
+    which = pick([(), ("pos",), ("ts",), ("pos", "ts")])
+    check_attention(args, attention_kwargs(mode, bias, head_dim, which), persistent=bool(seed % 2),
+                    block_m=pick([16, 32]), block_n=pick([16, 32, 64]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("which", [(), ("pos",), ("ts",)], ids=["no-bias", "pos-only", "ts-only"])
+def test_prefix_attention_hstu_bias_subsets(which):
+    args, bias = make_problem([(50, 6, 12), (9, 0, 4)], 16, 2, 32, seed=7, num_pos=20)
+    kw = attention_kwargs("hstu", bias, 32, which)
+    check_attention(args, kw, persistent=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_buckets", [1, 2, 9, 40, 64])
+def test_prefix_attention_time_buckets(num_buckets):
+    """Deltas at every power-of-two edge, negative and beyond 2**31: the int32 and int64 bucket searches."""
+    args, bias = make_problem([(64, 2, 6)], 16, 1, 16, seed=3, num_buckets=num_buckets)
+    edges = [0, 1, 2, 3, 4, 7, 8, 1023, 1024, (1 << 31) - 1, 1 << 31, (1 << 40) + 5, (1 << 61) + 1, -1, -(1 << 33)]
+    t_req = 1 << 62
+    ts_k = torch.tensor([t_req - edges[i % len(edges)] for i in range(64)], dtype=torch.int64)
+    pages = args["kv_indices"].long()
+    bias["ts_cache"][pages] = ts_k.view(-1, 16)
+    bias["ts_q"][:] = t_req
+    check_attention(args, attention_kwargs("hstu", bias, 16, ("ts",)), persistent=False)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_persistent_and_grid_launch_agree_bitwise(mode):
+    args, bias = make_problem([(45, 10, 50), (16, 3, 2), (0, 0, 7)], 16, 2, 32, seed=11)
+    kw = attention_kwargs(mode, bias, 32)
+    grid = prefix_attention(**args, **kw, persistent=False, block_m=16)
+    pers = prefix_attention(**args, **kw, persistent=True, block_m=16)
+    assert torch.equal(grid, pers)
+    torch.testing.assert_close(grid, prefix_attention_ref(**args, **kw), atol=ATOL, rtol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_cached_prefix_equals_full_recompute(mode):
+    """Rows attending to a prefix written by kv_write equal the same rows of an uncached pass over everything."""
+    g = torch.Generator().manual_seed(5)
+    page_size, heads, head_dim, p, n, c = 16, 2, 32, 37, 6, 9
+    total = p + n + c
+    q, k, v = (torch.randn(total, heads, head_dim, generator=g) for _ in range(3))
+    ts = torch.cumsum(torch.randint(0, 5000, (total,), generator=g), 0)
+    ts[p + n:] = ts[p + n - 1] + 17
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    pages = [5, 0, 3]
+    kv_cache = torch.full((6, 2, page_size, heads, head_dim), float("nan"))
+    ts_cache = torch.zeros(6, page_size, dtype=torch.int64)
+    slots = torch.tensor([pages[t // page_size] * page_size + t % page_size for t in range(p)])
+    kv_write(kv_cache, k[:p], v[:p], slots, ts=ts[:p], ts_cache=ts_cache)
+    pos_bias, ts_bias = 0.3 * torch.randn(80, generator=g), 0.3 * torch.randn(24, generator=g)
+    kw = dict(mode=mode, scale=0.2)
+    if mode == "hstu":
+        kw.update(hstu_norm=total, pos_bias=pos_bias, ts_bias=ts_bias)
+    cached = prefix_attention(q[p:], k[p:], v[p:], kv_cache, i32([0, 3]), i32(pages), i32([p - 2 * page_size]),
+                              i32([0, n + c]), i32([c]), ts_cache=ts_cache, ts_q=ts[p:], **kw)
+    full = prefix_attention(q, k, v, kv_cache, i32([0, 0]), i32([]), i32([0]), i32([0, total]), i32([c]),
+                            ts_cache=ts_cache, ts_q=ts, **kw)
+    torch.testing.assert_close(cached, full[p:], atol=ATOL, rtol=0)
+
+
+@needs_interpreter
+def test_prefix_attention_empty_and_mode_spellings():
+    args, bias = make_problem([(20, 0, 0), (3, 0, 0)], 16, 1, 16)
+    assert prefix_attention(**args, mode="softmax", scale=1.0).shape == (0, 1, 16)
+    args, bias = make_problem([(20, 2, 3)], 16, 1, 16)
+    a = prefix_attention(**args, mode=AttentionMode.HSTU, scale=0.5)
+    b = prefix_attention(**args, mode="HSTU", scale=0.5)
+    assert torch.equal(a, b)
+
+
+@needs_interpreter
+def test_prefix_attention_without_cached_pages_needs_no_ts_cache():
+    """No user has pages: timestamps of query rows suffice; bias tables of any float dtype are read as fp32."""
+    args, bias = make_problem([(0, 4, 3), (0, 2, 0)], 16, 1, 16)
+    kw = dict(mode="hstu", scale=0.5, pos_bias=bias["pos_bias"].double(), ts_bias=bias["ts_bias"], ts_q=bias["ts_q"])
+    out = prefix_attention(**args, **kw)
+    torch.testing.assert_close(out, prefix_attention_ref(**args, **kw, ts_cache=bias["ts_cache"]), atol=ATOL, rtol=0)
+
+
+def _bad(args, **changes):
+    out = dict(args)
+    out.update(changes)
+    return out
+
+
+@needs_interpreter
+def test_prefix_attention_rejects_bad_inputs():
+    args, bias = make_problem([(20, 2, 3), (0, 1, 1)], 16, 2, 32)
+    kw = dict(mode="softmax", scale=1.0)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cases = [
+        (_bad(args, kv_indptr=args["kv_indptr"].long()), kw, ValueError, "kv_indptr must have dtype"),
+        (_bad(args, q=args["q"].transpose(0, 1).contiguous().transpose(0, 1)), kw, ValueError, "contiguous"),
+        (_bad(args, k=args["k"][:, :1].contiguous()), kw, ValueError, "k must have shape"),
+        (_bad(args, v=args["v"].double()), kw, ValueError, "v must have dtype"),
+        (_bad(args, k=torch.empty(args["k"].shape, device="meta")), kw, ValueError, "k must be on cpu"),
+        (_bad(args, kv_cache=args["kv_cache"][:, :1]), kw, ValueError, "kv_cache must have shape"),
+        (_bad(args, cu_seqlens_q=i32([0, 5, 8])), kw, ValueError, "cu_seqlens_q must start at 0"),
+        (_bad(args, num_candidates=i32([6, 1])), kw, ValueError, "num_candidates must be in"),
+        (_bad(args, kv_last_page_len=i32([0, 0])), kw, ValueError, "kv_last_page_len must be in"),
+        (_bad(args, kv_indices=args["kv_indices"] + 100), kw, IndexError, "kv_indices must hold page ids"),
+        (args, dict(mode="linear", scale=1.0), ValueError, "mode must be one of 'softmax', 'hstu'"),
+        (args, dict(mode="softmax", scale=float("nan")), ValueError, "scale must be a finite number"),
+        (args, dict(mode="softmax", scale=1.0, pos_bias=bias["pos_bias"]), ValueError, "mode='hstu' only"),
+        (args, dict(mode="hstu", scale=1.0, ts_bias=bias["ts_bias"]), ValueError, "ts_bias needs ts_q"),
+        (args, dict(mode="hstu", scale=1.0, ts_bias=bias["ts_bias"], ts_q=bias["ts_q"]), ValueError,
+         "ts_bias needs ts_cache: 20 cached tokens"),
+        (args, dict(mode="hstu", scale=1.0, hstu_norm=0.0), ValueError, "hstu_norm must be > 0"),
+        (args, dict(mode="hstu", scale=1.0, pos_bias=bias["pos_bias"].long()), ValueError, "pos_bias must"),
+        (args, dict(mode="hstu", scale=1.0, pos_bias=bias["pos_bias"][:0]), ValueError, "at least one entry"),
+        (args, dict(kw, block_n=24), ValueError, "block_n must be a power of two"),
+    ]
+    for a, k, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            prefix_attention(**a, **k)
+
+
+def test_cpu_launch_without_interpreter_is_refused():
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        _common.check_launchable(torch.device("cpu"), object())
+
+
+# ------------------------------------------------------------------------------------------------ kv_write
+@needs_interpreter
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("with_ts", [False, True])
+def test_kv_write_matches_reference(persistent, with_ts):
+    g = torch.Generator().manual_seed(int(persistent) * 2 + int(with_ts))
+    num_pages, page_size, heads, head_dim, n = 12, 16, 2, 48, 37
+    cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g)
+    ts_cache = torch.randint(0, 1000, (num_pages, page_size), generator=g)
+    expect, expect_ts = cache.clone(), ts_cache.clone()
+    k, v = torch.randn(n, heads, head_dim, generator=g), torch.randn(n, heads, head_dim, generator=g)
+    slots = torch.randperm(num_pages * page_size, generator=g)[:n]
+    slots[[0, 5, 36]] = -1  # padding rows are skipped
+    ts = torch.randint(1 << 40, 1 << 41, (n,), generator=g)
+    extra = dict(ts=ts, ts_cache=ts_cache) if with_ts else {}
+    kv_write(cache, k, v, slots, persistent=persistent, **extra)
+    kv_write_ref(expect, k, v, slots, **(dict(ts=ts, ts_cache=expect_ts) if with_ts else {}))
+    assert torch.equal(cache, expect)
+    assert torch.equal(ts_cache, expect_ts)
+    page, off = slots[1] // page_size, slots[1] % page_size
+    assert torch.equal(cache[page, 0, off], k[1]) and torch.equal(cache[page, 1, off], v[1])
+
+
+@needs_interpreter
+def test_kv_write_rejects_bad_inputs():
+    cache = torch.zeros(4, 2, 16, 2, 32)
+    k = v = torch.zeros(3, 2, 32)
+    with pytest.raises(IndexError, match="slot_mapping must hold slots < num_pages"):
+        kv_write(cache, k, v, torch.tensor([0, 1, 64]))
+    with pytest.raises(ValueError, match="slot_mapping must have dtype"):
+        kv_write(cache, k, v, torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="v must have shape"):
+        kv_write(cache, k, torch.zeros(3, 2, 16), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="give ts and ts_cache together"):
+        kv_write(cache, k, v, torch.tensor([0, 1, 2]), ts=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        kv_write(torch.zeros(4, 3, 16, 2, 32), k, v, torch.tensor([0, 1, 2]))
+    kv_write(cache, k[:0], v[:0], torch.tensor([], dtype=torch.int64))  # nothing to write is fine
+    assert not cache.any()
+
+
+# ------------------------------------------------------------------------------------------------ kv_pack
+def _caches(num_layers=3, num_pages=9, page_size=16, heads=2, head_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g) for _ in range(num_layers)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kv_pack_layout_and_roundtrip(persistent):
+    caches = _caches()
+    ids = [7, 2, 5, 0]
+    buf = kv_pack(caches, ids, persistent=persistent)
+    assert buf.shape == packed_shape(caches, 4) == (3, 2, 64, 2, 32) and buf.is_contiguous()
+    assert torch.equal(buf, kv_pack_ref(caches, ids))
+    for layer in (0, 2):  # the documented layout, element by element for some slots
+        for i, page in enumerate(ids):
+            for slot in (0, 15):
+                assert torch.equal(buf[layer, 0, i * 16 + slot], caches[layer][page, 0, slot])
+                assert torch.equal(buf[layer, 1, i * 16 + slot], caches[layer][page, 1, slot])
+    dest, expect = _caches(seed=1), _caches(seed=1)
+    kv_unpack(buf, dest, torch.tensor([1, 8, 3, 4], dtype=torch.int32), persistent=persistent)
+    kv_unpack_ref(buf, expect, [1, 8, 3, 4])
+    assert all(torch.equal(a, b) for a, b in zip(dest, expect))
+    assert all(torch.equal(d[1], c[7]) and torch.equal(d[0], e[0]) for d, c, e in zip(dest, caches, _caches(seed=1)))
+
+
+@needs_interpreter
+def test_kv_pack_out_and_empty():
+    caches = _caches(num_layers=2)
+    out = torch.full(packed_shape(caches, 2), 7.0)
+    assert kv_pack(caches, [4, 4], out=out) is out  # a page may be packed twice
+    assert torch.equal(out[:, :, :16], out[:, :, 16:]) and torch.equal(out, kv_pack_ref(caches, [4, 4]))
+    empty = kv_pack(caches, [])
+    assert empty.shape == (2, 2, 0, 2, 32)
+    before = [c.clone() for c in caches]
+    kv_unpack(empty, caches, [])
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
+@needs_interpreter
+def test_kv_pack_rejects_bad_inputs():
+    caches = _caches(num_layers=2)
+    buf = kv_pack(caches, [1, 2])
+    with pytest.raises(ValueError, match="must not repeat a page id"):
+        kv_unpack(buf, caches, [3, 3])
+    with pytest.raises(IndexError, match=r"page_ids must hold page ids in \[0, 9\)"):
+        kv_pack(caches, [0, 9])
+    with pytest.raises(ValueError, match="buffer must have shape"):
+        kv_unpack(buf, caches, [1, 2, 3])
+    with pytest.raises(ValueError, match="kv_caches\\[1\\] must have shape"):
+        kv_pack([caches[0], caches[1][:, :, :8].contiguous()], [0])
+    with pytest.raises(ValueError, match="non-empty list"):
+        kv_pack(caches[0], [0])
+    with pytest.raises(ValueError, match="out must have dtype"):
+        kv_pack(caches, [1], out=torch.zeros(packed_shape(caches, 1), dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------ CUDA compile
+COMPILE_FOR_SM90 = r"""
+import warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from relaygr_engine.kernels import kv_pack, kv_write, prefix_attention as pa
+
+def build(fn, types, constexprs, **options):
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    idx = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=idx), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    ttir = k.asm["ttir"]
+    assert "make_tensor_ptr" not in ttir and "tt.advance" not in ttir and "descriptor" not in ttir, fn.__name__
+    assert "cubin" in k.asm and k.asm["ptx"], fn.__name__
+    return k
+
+def attn_types(dt):
+    t = {n: dt for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_ptr")}
+    t.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
+                                  "tile_user_ptr", "tile_row_ptr")})
+    t.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64", scale="fp32",
+             inv_norm="fp32")
+    return t
+
+base = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=64, BLOCK_M=128, BLOCK_N=64, TS_BITS=1, TS_STEPS=0)
+k = build(pa._prefix_attention_kernel, attn_types("*bf16"),
+          dict(base, HSTU=False, HAS_POS=False, HAS_TS=False, DOT_PRECISION=None), num_warps=8, num_stages=2)
+assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
+build(pa._prefix_attention_kernel, attn_types("*bf16"),
+      dict(base, HSTU=True, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=5, DOT_PRECISION=None), num_warps=8)
+build(pa._prefix_attention_kernel, attn_types("*fp32"),
+      dict(base, HEAD_DIM=48, BLOCK_D=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=32, HSTU=True, HAS_POS=True,
+           HAS_TS=True, TS_BITS=63, TS_STEPS=6, DOT_PRECISION="ieee"), num_warps=4)
+build(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
+                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
+      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True))
+for pack in (True, False):
+    build(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
+          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_sm90_without_a_gpu():
+    """The compiled path (not the interpreter): every kernel lowers to PTX/cubin for sm_90 with bf16 and fp32
+    inputs, with no block pointers or tensor descriptors (the portable subset). Runs in a fresh process, since this
+    one may hold triton in interpreter mode."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ bench smoke
+@needs_interpreter
+def test_bench_kernels_smoke(tmp_path, capsys):
+    from relaygr_engine.bench import kernels as bench
+
+    path = tmp_path / "k.json"
+    assert bench.main(["--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "interpreter" in text
+    assert text.strip().splitlines()[-1].startswith("RESULT ")
+    data = json.loads(path.read_text())
+    assert data["rows"] and all(r["max_abs_err"] <= ATOL for r in data["rows"])
+
+
+# ------------------------------------------------------------------------------------------------ CUDA (bf16)
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefix_attention_bf16_cuda(mode, persistent):
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64)]
+    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 128)
+    out = prefix_attention(**args, **kw, persistent=persistent)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_prefix_attention_fp32_cuda_ieee():
+    args, bias = make_problem([(300, 20, 100), (64, 1, 3)], 32, 2, 64, device="cuda")
+    check_attention(args, attention_kwargs("hstu", bias, 64), persistent=False)
+    check_attention(args, attention_kwargs("softmax", bias, 64), persistent=True)
+
+
+@gpu
+@needs_cuda
+def test_kv_write_and_pack_bf16_cuda():
+    caches = [torch.randn(40, 2, 32, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    k, v = torch.randn(50, 4, 64, device="cuda"), torch.randn(50, 4, 64, device="cuda")
+    slots = torch.randperm(40 * 32, device="cuda")[:50]
+    expect = caches[0].clone()
+    kv_write(caches[0], k, v, slots)  # fp32 rows into a bf16 cache
+    kv_write_ref(expect, k, v, slots)
+    assert torch.equal(caches[0], expect)
+    ids = torch.tensor([3, 31, 7], device="cuda")
+    host = torch.empty(packed_shape(caches, 3), dtype=torch.bfloat16, pin_memory=True)
+    kv_pack(caches, ids, out=host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, kv_pack_ref([c.cpu() for c in caches], ids.cpu()))
+    dest = [torch.zeros_like(c) for c in caches]
+    kv_unpack(host, dest, ids)
+    assert all(torch.equal(d[ids], c[ids]) for d, c in zip(dest, caches))

@@ -1,0 +1,341 @@
+"""``relaygr bench kernels``: the paged prefix-attention kernel against its baselines.
+
+Per shape (a batch of users, each with a cached prefix, a few new history tokens and its candidates):
+
+* ``paged``       the Triton kernel over scattered pages (the production layout);
+* ``contig``      the same kernel with each user's pages consecutive in memory -> paging overhead;
+* ``gathered``    the same attention on contiguous, already gathered K/V: ``torch`` SDPA with the target mask
+                  (softmax) or dense torch matmuls with SiLU and the materialised bias (hstu);
+* ``recompute``   the kernel with no cache: prefix + new tokens + candidates all recomputed (what caching saves);
+* on CUDA also a bf16 matmul of the same FLOPs (the roofline reference) and FlashInfer's paged prefill with a
+  custom mask when ``flashinfer`` is installed (softmax only).
+
+FLOPs count useful work only: ``4 * H * D`` per visible (query, key) pair. Bytes are the minimal traffic: the
+cached prefix K/V once plus q, k, v and the output. On the CPU the kernels run in Triton's interpreter with tiny
+shapes: a smoke run of the whole path whose timings say nothing about a device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["main", "Shape", "GPU_SHAPES", "CPU_SHAPES"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    users: int
+    prefix: int          # cached tokens per user
+    new: int             # new history tokens per user
+    cands: int           # candidates per user
+    heads: int
+    head_dim: int
+    page_size: int
+    mode: str            # "softmax" | "hstu"
+
+    @property
+    def name(self) -> str:
+        return (f"{self.mode} B={self.users} P={self.prefix} n={self.new} C={self.cands} H={self.heads} "
+                f"D={self.head_dim} page={self.page_size}")
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs a user's rows see, times users."""
+        p, n, c = self.prefix, self.new, self.cands
+        return self.users * (n * p + n * (n + 1) // 2 + c * (p + n + 1))
+
+
+GPU_SHAPES = [Shape(4, p, 32, c, 8, d, 64, m) for m in ("softmax", "hstu")
+              for p, c, d in ((4096, 256, 128), (4096, 1024, 64), (16384, 512, 128), (16384, 1024, 64))]
+CPU_SHAPES = [Shape(2, 40, 5, 12, 2, 32, 16, m) for m in ("softmax", "hstu")]
+
+
+# ------------------------------------------------------------------------------------------------ problem set-up
+def _problem(shape: Shape, device, dtype, *, contiguous: bool, seed: int = 0):
+    """Kernel arguments for ``shape``: pages shuffled across the pool, or each user's pages consecutive."""
+    g = torch.Generator().manual_seed(seed)
+    b, p, n, c, h, d, ps = (shape.users, shape.prefix, shape.new, shape.cands, shape.heads, shape.head_dim,
+                            shape.page_size)
+    pages_per_user = -(-p // ps)
+    num_pages = b * pages_per_user + 1
+    order = torch.arange(num_pages - 1) if contiguous else torch.randperm(num_pages - 1, generator=g)
+    indices = order.view(b, pages_per_user) if pages_per_user else order.view(b, 0)
+    rows = n + c
+    total = b * rows
+    q, k, v = (torch.randn(total, h, d, generator=g).to(device, dtype) for _ in range(3))
+    kv_cache = torch.randn(num_pages, 2, ps, h, d, generator=g).to(device, dtype)
+    ts_cache = torch.cumsum(torch.randint(0, 600, (num_pages, ps), generator=g).view(-1), 0).view(num_pages, ps)
+    ts_q = torch.full((total,), int(ts_cache.max()) + 60, dtype=torch.int64)
+    i32 = lambda x: torch.as_tensor(x, dtype=torch.int32).to(device)  # noqa: E731
+    last = p - (pages_per_user - 1) * ps if pages_per_user else 0
+    args = dict(q=q, k=k, v=v, kv_cache=kv_cache,
+                kv_indptr=i32([u * pages_per_user for u in range(b + 1)]), kv_indices=i32(indices.reshape(-1)),
+                kv_last_page_len=i32([last] * b), cu_seqlens_q=i32([u * rows for u in range(b + 1)]),
+                num_candidates=i32([c] * b))
+    kw = dict(mode=shape.mode, scale=1.0 / math.sqrt(d))
+    if shape.mode == "hstu":
+        max_len = p + n + 1
+        kw.update(hstu_norm=float(max_len), pos_bias=(0.1 * torch.randn(max_len + 1, generator=g)).to(device),
+                  ts_bias=(0.1 * torch.randn(32, generator=g)).to(device), ts_cache=ts_cache.to(device),
+                  ts_q=ts_q.to(device))
+    return args, kw
+
+
+def _recompute_problem(shape: Shape, device, dtype):
+    """No cache: every user's prefix is recomputed as new history rows."""
+    full = Shape(shape.users, 0, shape.prefix + shape.new, shape.cands, shape.heads, shape.head_dim,
+                 shape.page_size, shape.mode)
+    args, kw = _problem(full, device, dtype, contiguous=True)
+    if shape.mode == "hstu":
+        kw["hstu_norm"] = float(shape.prefix + shape.new + 1)
+    return args, kw
+
+
+def _gathered(args, kw, shape: Shape):
+    """Contiguous K/V per user ``[B, H, P + n + C, D]``, queries ``[B, H, n + C, D]`` and the dense mask/bias."""
+    from relaygr_engine.kernels.reference import time_bucket_ref, visible_mask_ref
+
+    b, p, n, c, ps = shape.users, shape.prefix, shape.new, shape.cands, shape.page_size
+    rows = n + c
+    device = args["q"].device
+    pages = args["kv_indices"].long().view(b, -1)
+    tok = torch.arange(p, device=device)
+    page_of = pages[:, tok // ps]                                           # [B, P]
+    slot_of = (tok % ps).expand(b, p)
+    seg = lambda x: x.view(b, rows, shape.heads, shape.head_dim)  # noqa: E731
+    k = torch.cat([args["kv_cache"][page_of, 0, slot_of], seg(args["k"])], 1).transpose(1, 2).contiguous()
+    v = torch.cat([args["kv_cache"][page_of, 1, slot_of], seg(args["v"])], 1).transpose(1, 2).contiguous()
+    q = seg(args["q"]).transpose(1, 2).contiguous()
+    mask = visible_mask_ref(p, n, c, device)                                # [rows, P + rows]
+    rab = None
+    if shape.mode == "hstu":
+        q_pos = p + torch.arange(rows, device=device).clamp_max(n)
+        k_pos = torch.cat([torch.arange(p, device=device), q_pos])
+        dist = (q_pos[:, None] - k_pos[None, :]).clamp(0, kw["pos_bias"].numel() - 1)
+        t_q = kw["ts_q"].view(b, rows)
+        t_k = torch.cat([kw["ts_cache"][page_of, slot_of], t_q], 1)          # [B, P + rows]
+        bucket = time_bucket_ref(t_q[:, :, None] - t_k[:, None, :], kw["ts_bias"].numel())
+        rab = (kw["pos_bias"][dist] + kw["ts_bias"][bucket]).unsqueeze(1).to(q.dtype)  # [B, 1, rows, keys]
+    return q, k, v, mask, rab
+
+
+def _dense_baseline(q, k, v, mask, rab, kw):
+    """The attention on gathered K/V with torch: SDPA (softmax) or dense SiLU attention (hstu). [B, H, rows, D]."""
+    if kw["mode"] == "softmax":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=kw["scale"])
+    s = torch.matmul(q, k.transpose(-1, -2)) * kw["scale"] + rab
+    w = (torch.nn.functional.silu(s) * mask) / kw["hstu_norm"]
+    return torch.matmul(w.to(v.dtype), v)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # pragma: no cover - needs an Ascend host
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+
+
+def _time(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_tflops(flops: float, device, dtype, warmup: int, iters: int) -> float:
+    """TFLOP/s of a bf16 ``[4096, K] x [K, 4096]`` matmul with about ``flops`` FLOPs (the roofline reference)."""
+    m = n = 4096
+    k = max(64, int(round(flops / (2 * m * n) / 64)) * 64)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    t = _time(lambda: torch.matmul(a, b), device, warmup, iters)
+    return 2 * m * n * k / t / 1e12
+
+
+def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[Optional[float], str]:
+    """FlashInfer paged prefill (custom target mask) over the same pages plus the new rows; (seconds, note)."""
+    if kw["mode"] != "softmax":
+        return None, "softmax only"
+    try:
+        import flashinfer  # type: ignore[import-not-found]
+    except ImportError:
+        return None, "not installed"
+    try:
+        from relaygr_engine.kernels.reference import visible_mask_ref
+
+        b, p, n, c, ps = shape.users, shape.prefix, shape.new, shape.cands, shape.page_size
+        rows, device = n + c, args["q"].device
+        total_tok = p + rows
+        pages_per_user = -(-total_tok // ps)
+        # FlashInfer reads every key from pages: write prefix + new rows of each user into fresh pages.
+        cache = torch.empty(b * pages_per_user, 2, ps, shape.heads, shape.head_dim, device=device,
+                            dtype=args["q"].dtype)
+        q, k, v, mask, _ = _gathered(args, kw, shape)
+        flat = cache.view(b, pages_per_user * ps, 2, shape.heads, shape.head_dim)
+        flat[:, :total_tok, 0] = k.transpose(1, 2)
+        flat[:, :total_tok, 1] = v.transpose(1, 2)
+        i32 = lambda x: torch.as_tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD")
+        wrapper.plan(i32([u * rows for u in range(b + 1)]), i32([u * pages_per_user for u in range(b + 1)]),
+                     i32(list(range(b * pages_per_user))), i32([total_tok - (pages_per_user - 1) * ps] * b),
+                     shape.heads, shape.heads, shape.head_dim, ps, custom_mask=mask.reshape(-1).repeat(b),
+                     sm_scale=kw["scale"], q_data_type=args["q"].dtype, kv_data_type=cache.dtype)
+        return _time(lambda: wrapper.run(args["q"], cache), device, warmup, iters), "ok"
+    except Exception as exc:  # an API drift in flashinfer must not stop the benchmark
+        return None, f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+
+
+# ------------------------------------------------------------------------------------------------ one shape
+def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool) -> dict:
+    from relaygr_engine.kernels.prefix_attention import prefix_attention
+
+    args, kw = _problem(shape, device, dtype, contiguous=False)
+    cargs, _ = _problem(shape, device, dtype, contiguous=True)
+    rargs, rkw = _recompute_problem(shape, device, dtype)
+    gq, gk, gv, mask, rab = _gathered(args, kw, shape)
+
+    run = lambda a, k: prefix_attention(**a, **k, persistent=persistent)  # noqa: E731
+    out = run(args, kw)
+    base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
+    base = base.transpose(1, 2).reshape(out.shape)
+    err = float((out.float() - base.float()).abs().max())
+
+    t_paged = _time(lambda: run(args, kw), device, warmup, iters)
+    t_contig = _time(lambda: run(cargs, kw), device, warmup, iters)
+    t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
+    t_full = _time(lambda: run(rargs, rkw), device, warmup, iters)
+    flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
+    elt = torch.empty((), dtype=dtype).element_size()
+    nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
+    row = dict(shape=shape.name, **asdict(shape), time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12,
+               gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
+               gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
+               speedup_vs_recompute=t_full / t_paged, max_abs_err=err,
+               gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense")
+    if device.type == "cuda":
+        mm = _matmul_tflops(flops, device, torch.bfloat16, warmup, iters)
+        row.update(matmul_tflops=mm, matmul_fraction=row["tflops"] / mm)
+        t_fi, note = _flashinfer_time(shape, args, kw, warmup, iters)
+        row.update(flashinfer_ms=None if t_fi is None else t_fi * 1e3, flashinfer_note=note,
+                   speedup_vs_flashinfer=None if t_fi is None else t_fi / t_paged)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _prepare_device(name: str) -> tuple[Optional[torch.device], str]:
+    """Resolve ``--device``; on the CPU switch Triton to its interpreter (before triton's first import)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cpu":
+        if "triton" not in sys.modules:
+            os.environ["TRITON_INTERPRET"] = "1"
+        from relaygr_engine.kernels._common import interpreter_active
+
+        if not interpreter_active():
+            return None, "triton was imported before TRITON_INTERPRET=1 could be set; run in a fresh process"
+    if device.type == "npu":  # pragma: no cover - needs an Ascend host
+        from relaygr_engine.kernels._common import load_npu
+
+        load_npu()
+    return device, ""
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="relaygr bench kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", help="auto (cuda if present, else cpu interpreter) | cpu | cuda | npu")
+    ap.add_argument("--modes", default="softmax,hstu", help="comma-separated: softmax,hstu")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per timing (default 3 on devices, 0 on cpu)")
+    ap.add_argument("--iters", type=int, default=None, help="timed runs (default 20 on devices, 1 on cpu)")
+    ap.add_argument("--persistent", action="store_true", help="persistent grid (one program per core)")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    opts = ap.parse_args(argv)
+
+    device, problem = _prepare_device(opts.device)
+    if device is None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("softmax", "hstu")]
+    if bad:
+        ap.error(f"--modes must name 'softmax' and/or 'hstu', got {bad}")
+    cpu = device.type == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
+    iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
+    shapes = [s for s in (CPU_SHAPES if cpu else GPU_SHAPES) if s.mode in modes]
+
+    if cpu:
+        print("CPU: Triton interpreter smoke run (fp32, tiny shapes). Timings measure the numpy interpreter, "
+              "not a device; run on CUDA/NPU for performance numbers.")
+    print(f"device={device} dtype={str(dtype).replace('torch.', '')} persistent={opts.persistent} "
+          f"warmup={warmup} iters={iters}")
+    head = (f"{'shape':<62} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
+            f"{'paged_ovh':>9} {'err':>8}")
+    if device.type == "cuda":
+        head += f" {'%matmul':>8} {'vs_flashinfer':>13}"
+    print(head)
+    rows = []
+    for shape in shapes:
+        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent)
+        rows.append(r)
+        line = (f"{shape.name:<62} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
+                f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
+                f"{100 * r['paged_overhead']:>8.1f}% {r['max_abs_err']:>8.1e}")
+        if device.type == "cuda":
+            fi = r["speedup_vs_flashinfer"]
+            line += (f" {100 * r['matmul_fraction']:>7.1f}% "
+                     f"{(_fmt(fi) + 'x') if fi is not None else r['flashinfer_note'][:13]:>13}")
+        print(line)
+    print("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over "
+          "the paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive "
+          "pages.")
+
+    geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")  # noqa: E731
+    sm = [r["speedup_vs_gathered"] for r in rows if r["mode"] == "softmax"]
+    summary = dict(device=str(device), interpreter=int(cpu), dtype=str(dtype).replace("torch.", ""), shapes=len(rows),
+                   max_abs_err=max(r["max_abs_err"] for r in rows),
+                   min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=geo(sm) if sm else None,
+                   geomean_speedup_vs_recompute=geo([r["speedup_vs_recompute"] for r in rows]),
+                   max_paged_overhead=max(r["paged_overhead"] for r in rows))
+    if device.type == "cuda":
+        summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(dict(summary=summary, rows=rows), f, indent=2)
+    fields = " ".join(f"{k}={_fmt(v, '.4g') if isinstance(v, float) else v}" for k, v in summary.items())
+    print(f"RESULT {fields}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
