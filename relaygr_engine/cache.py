@@ -51,6 +51,7 @@ class PagedKVCache:
         shape = (self.num_pages, 2, self.page_size, num_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.timestamps = torch.zeros((self.num_pages, self.page_size), dtype=torch.long, device=self.device)
+        self.device = self.timestamps.device  # "cuda" -> "cuda:<current>", so device checks compare equal
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,380 @@
+"""RelayEngine: cached ranking equals full inference whatever the cache state; leases, fallbacks, bad input."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import relaygr_engine as rg  # noqa: E402
+
+PAGE = 8
+ATOL = 1e-4
+KINDS = ("hstu", "softmax")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one intra-op thread avoids OpenMP oversubscription on shared CI machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(attention="hstu", context=0, seed=0):
+    cfg = rg.GRModelConfig(attention=attention, num_layers=2, hidden_dim=32, num_heads=2, head_dim=16,
+                           num_items=1000, num_actions=4, max_seq_len=128, num_tasks=2, num_time_buckets=16,
+                           num_context_tokens=context, context_vocab_size=9 if context else 0)
+    return rg.build_ranker(cfg, seed=seed)
+
+
+def make_engine(model, **kw):
+    cfg = dict(page_size=PAGE, num_pages=256, lease_ttl_s=10.0, attention_backend="torch")
+    cfg.update(kw.pop("cache", {}))
+    return rg.RelayEngine(model, rg.CacheConfig(**cfg), **kw)
+
+
+def history(L, seed=0, timestamps=True, context=0):
+    g = torch.Generator().manual_seed(seed)
+    return rg.Behaviors(
+        item_ids=torch.randint(0, 1000, (L,), generator=g),
+        action_ids=torch.randint(0, 4, (L,), generator=g),
+        timestamps=torch.cumsum(torch.randint(0, 3000, (L,), generator=g), 0) + 1_700_000_000 if timestamps else None,
+        context_ids=torch.randint(0, 9, (context,), generator=g) if context else None)
+
+
+def candidates(C, seed=1):
+    return torch.randint(0, 1000, (C,), generator=torch.Generator().manual_seed(seed))
+
+
+def snapshot(engine, users=(1, 2, 3, 7)):
+    return engine.stats(), {u: sorted(engine.pool.entries_of(u)) for u in users}
+
+
+def assert_exact(res, model, hist, cands, request_time=None):
+    want = model.rank_full(hist, cands, request_time=request_time)
+    assert res.scores.shape == want.shape
+    assert float((res.scores - want).abs().max()) <= ATOL
+
+
+# ----------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("timestamps", [True, False], ids=["ts", "no_ts"])
+@pytest.mark.parametrize("prefix", [1, PAGE - 1, PAGE, PAGE + 1, 4 * PAGE + 3])
+def test_cached_ranking_equals_full_inference(attention, timestamps, prefix):
+    model = make_model(attention)
+    for new in (0, 17):
+        for C in (1, 300):
+            engine = make_engine(model)
+            hist = history(prefix + new, seed=prefix + new, timestamps=timestamps)
+            cands = candidates(C)
+            ticket = engine.prefill_prefix(7, hist.prefix(prefix), now=0.0)
+            assert ticket.admitted and ticket.reason == "admitted" and ticket.num_tokens == prefix
+            res = engine.rank_with_prefix(7, hist, cands, ticket=ticket, now=1.0)
+            assert res.source == "hbm" and res.cached_tokens == prefix and res.computed_tokens == new + C
+            assert_exact(res, model, hist, cands)
+            # the new tokens' KV was appended while ranking: the next request reads all of them
+            again = engine.rank_with_prefix(7, hist, cands, now=2.0)
+            assert again.source == "hbm" and again.cached_tokens == prefix + new
+            assert_exact(again, model, hist, cands)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_contextual_tokens_and_request_time(attention):
+    model = make_model(attention, context=3)
+    engine = make_engine(model)
+    hist, cands = history(30, seed=3, context=3), candidates(20)
+    ticket = engine.prefill_prefix(1, hist.prefix(12), now=0.0)
+    assert ticket.num_tokens == 15
+    t_req = int(hist.timestamps[-1]) + 4000
+    res = engine.rank_with_prefix(1, hist, cands, ticket=ticket, request_time=t_req, now=1.0)
+    assert res.source == "hbm" and res.cached_tokens == 15
+    assert_exact(res, model, hist, cands, request_time=t_req)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_miss_recomputes_exactly(attention):
+    model = make_model(attention)
+    engine = make_engine(model)
+    hist, cands = history(40, seed=5), candidates(9)
+    res = engine.rank_with_prefix(3, hist, cands)
+    assert res.source == "recompute" and res.cached_tokens == 0 and res.computed_tokens == 49
+    assert_exact(res, model, hist, cands)
+    assert engine.stats()["recomputes"] == 1 and engine.stats()["hbm_hits"] == 0
+
+
+def test_candidate_independence_through_the_cache():
+    model = make_model()
+    engine = make_engine(model)
+    hist = history(37, seed=9)
+    engine.prefill_prefix(2, hist.prefix(30))
+    both = candidates(50, seed=4)
+    all_scores = engine.rank_with_prefix(2, hist, both).scores
+    some = engine.rank_with_prefix(2, hist, both[10:13]).scores
+    torch.testing.assert_close(some, all_scores[10:13], atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------- batches
+@pytest.mark.parametrize("attention", KINDS)
+def test_batch_equals_single(attention):
+    model = make_model(attention)
+    hists = {1: history(45, seed=1), 2: history(20, seed=2, timestamps=False), 3: history(33, seed=3),
+             4: history(9, seed=4)}
+    prefixes = [(1, 30), (2, PAGE), (3, 33)]  # user 4 is a miss
+    requests = [rg.RankRequest(u, h, candidates(5 + u, seed=u)) for u, h in hists.items()]
+    requests.append(rg.RankRequest(1, hists[1].prefix(40), candidates(3, seed=9)))  # same entry, shorter history
+    single, batch = make_engine(model), make_engine(model)
+    t_single = [single.prefill_prefix(u, hists[u].prefix(n)) for u, n in prefixes]
+    t_batch = batch.prefill_prefix_batch([(u, hists[u].prefix(n)) for u, n in prefixes])
+    assert [(t.admitted, t.reason, t.fingerprint, t.num_tokens) for t in t_single] == \
+           [(t.admitted, t.reason, t.fingerprint, t.num_tokens) for t in t_batch]
+    want = [single.rank_with_prefix(r.user_id, r.history, r.candidates) for r in requests[:4]]
+    got = batch.rank_with_prefix_batch(requests[:4])
+    for w, g, r in zip(want, got, requests):
+        assert (w.source, w.cached_tokens, w.computed_tokens) == (g.source, g.cached_tokens, g.computed_tokens)
+        torch.testing.assert_close(g.scores, w.scores, atol=1e-5, rtol=0)
+        assert_exact(g, model, r.history, r.candidates)
+    assert [w.source for w in want] == ["hbm", "hbm", "hbm", "recompute"]
+    # a fresh batch where two requests read the same entry
+    fresh = make_engine(model)
+    ticket = fresh.prefill_prefix(1, hists[1].prefix(30))
+    first = rg.RankRequest(1, hists[1], requests[0].candidates, ticket)  # ends the lease: the entry may grow
+    out = fresh.rank_with_prefix_batch([first, requests[4]])
+    for res, r in zip(out, [requests[0], requests[4]]):
+        assert res.source == "hbm" and res.cached_tokens == 30
+        assert_exact(res, model, r.history, r.candidates)
+    assert fresh.match_length(1, hists[1]) == 45  # extended once, with the longest history
+    assert fresh.rank_with_prefix_batch([]) == []
+
+
+def test_prefill_batch_with_duplicates_and_extension():
+    model = make_model()
+    engine = make_engine(model)
+    h = history(60, seed=11)
+    tickets = engine.prefill_prefix_batch([(5, h.prefix(20)), (5, h.prefix(20)), (6, h.prefix(7))])
+    assert [t.reason for t in tickets] == ["admitted", "already_cached", "admitted"]
+    assert tickets[0].fingerprint == tickets[1].fingerprint
+    again = engine.prefill_prefix(5, h.prefix(20))
+    assert again.admitted and again.reason == "already_cached" and again.computed_tokens == 0
+    longer = engine.prefill_prefix(5, h.prefix(50))  # grows the cached 20-token entry: computes 30 tokens
+    assert longer.admitted and longer.cached_tokens == 20 and longer.computed_tokens == 30
+    assert [n for _, n in engine.pool.entries_of(5)] == [50]
+    res = engine.rank_with_prefix(5, h, candidates(11), ticket=longer)
+    assert res.cached_tokens == 50
+    assert_exact(res, model, h, candidates(11))
+    s = engine.stats()
+    assert s["prefills"] == 3 and s["prefill_reused_tokens"] == 20 and s["prefill_already_cached"] == 1
+
+
+# ----------------------------------------------------------------------------------------------- cache state
+def test_stale_prefix_recomputes():
+    model = make_model()
+    engine = make_engine(model, extend_on_rank=False)
+    h = history(40, seed=12)
+    engine.prefill_prefix(7, h.prefix(32))
+    cands = candidates(6)
+    changed_item = rg.Behaviors(torch.cat([h.item_ids[:1] + 1, h.item_ids[1:]]), h.action_ids, h.timestamps)
+    changed_action = rg.Behaviors(h.item_ids, torch.cat([(h.action_ids[:1] + 1) % 4, h.action_ids[1:]]),
+                                  h.timestamps)
+    changed_time = rg.Behaviors(h.item_ids, h.action_ids, torch.cat([h.timestamps[:1] - 1, h.timestamps[1:]]))
+    no_time = rg.Behaviors(h.item_ids, h.action_ids)
+    for hist in (changed_item, changed_action, changed_time, no_time):
+        res = engine.rank_with_prefix(7, hist, cands)
+        assert res.source == "recompute"
+        assert_exact(res, model, hist, cands)
+    assert engine.rank_with_prefix(7, h, cands).source == "hbm"
+    model.load_state_dict(make_model(seed=5).state_dict())  # new weights: the cached KV is stale
+    res = engine.rank_with_prefix(7, h, cands)
+    assert res.source == "recompute"
+    assert_exact(res, model, h, cands)
+
+
+def test_ticket_ends_the_lease_and_expired_leases_are_counted():
+    model = make_model()
+    engine = make_engine(model, cache=dict(lease_ttl_s=5.0))
+    h = history(30, seed=13)
+    t1 = engine.prefill_prefix(1, h.prefix(24), now=100.0)
+    assert t1.expires_at == 105.0 and engine.pool.has_lease(1, t1.fingerprint, now=100.0)
+    res = engine.rank_with_prefix(1, h.prefix(24), candidates(4), ticket=t1, now=101.0)
+    assert res.source == "hbm"
+    assert not engine.pool.has_lease(1, t1.fingerprint, now=101.0)
+    assert engine.pool.lookup(1, t1.fingerprint) == 24  # still cached, now evictable
+    t2 = engine.prefill_prefix(2, h.prefix(16), now=100.0)
+    res = engine.rank_with_prefix(2, h.prefix(16), candidates(4), ticket=t2, now=200.0)  # lease ran out
+    assert res.source == "hbm"
+    assert_exact(res, model, h.prefix(16), candidates(4))
+    engine.rank_with_prefix(2, h.prefix(16), candidates(4), ticket=t2, now=201.0)  # presented twice
+    s = engine.stats()
+    assert s["expired_leases"] == 1 and s["stale_tickets"] == 1 and s["hbm_hits"] == 3
+
+
+class Decline:
+    def __init__(self, reason):
+        self.reason, self.calls = reason, []
+
+    def decide(self, **kw):
+        self.calls.append(kw)
+        return type("Decision", (), dict(admit=False, reason=self.reason))()
+
+
+def test_trigger_decline_and_pool_refusals_fall_back_exactly():
+    model = make_model()
+    h, cands = history(50, seed=14), candidates(7)
+    trigger = Decline("busy")
+    engine = make_engine(model, trigger=trigger)
+    t = engine.prefill_prefix(1, h.prefix(40))
+    assert not t.admitted and t.reason == "trigger:busy" and t.expires_at is None
+    assert trigger.calls[0]["user_id"] == 1 and trigger.calls[0]["num_tokens"] == 40
+    assert trigger.calls[0]["cached_tokens"] == 0 and trigger.calls[0]["engine"] is engine
+    assert engine.pool.entries_of(1) == []
+    res = engine.rank_with_prefix(1, h, cands, ticket=t)
+    assert res.source == "recompute"
+    assert_exact(res, model, h, cands)
+    # 40 tokens need 5 pages of 8: more than the 4 pages that may ever be pinned
+    budget = make_engine(model, cache=dict(num_pages=8, max_pinned_fraction=0.5))
+    t = budget.prefill_prefix(1, h.prefix(40))
+    assert not t.admitted and t.reason == "budget"
+    assert_exact(budget.rank_with_prefix(1, h, cands, ticket=t), model, h, cands)
+    # two leased 5-page prefixes do not fit in 8 pinnable pages at once; after the first ranking they do
+    full = make_engine(model, cache=dict(num_pages=8, max_pinned_fraction=1.0))
+    first = full.prefill_prefix(1, h.prefix(40))
+    t = full.prefill_prefix(2, h.prefix(40))
+    assert first.admitted and not t.admitted and t.reason == "pool_full"
+    assert_exact(full.rank_with_prefix(2, h, cands, ticket=t), model, h, cands)
+    assert full.rank_with_prefix(1, h.prefix(40), cands, ticket=first).source == "hbm"
+    assert full.prefill_prefix(2, h.prefix(40)).admitted  # evicts user 1's unpinned entry
+    s = full.stats()
+    assert s["prefill_declines"] == 1 and s["prefill_declines_pool_full"] == 1 and s["prefills"] == 2
+    assert s["evictions"] == 1
+
+
+def test_evicted_prefix_recomputes_exactly():
+    model = make_model()
+    engine = make_engine(model, cache=dict(num_pages=12, max_pinned_fraction=1.0, lease_ttl_s=1.0))
+    hists = {u: history(40, seed=u) for u in range(1, 5)}
+    for u, h in hists.items():  # 5 pages each: the third and fourth users evict the first and second
+        assert engine.prefill_prefix(u, h, now=10.0 * u).admitted
+    s = engine.stats()
+    assert s["evictions"] == 2 and s["pool_evictions"] == 2
+    for u, h in hists.items():
+        res = engine.rank_with_prefix(u, h, candidates(3), now=100.0)
+        assert res.source == ("recompute" if u <= 2 else "hbm")
+        assert_exact(res, model, h, candidates(3))
+    expected = {"hbm_hits", "dram_hits", "recomputes", "evictions", "expired_leases", "prefills",
+                "prefill_declines", "pool_entries", "pool_free_pages"}
+    assert expected <= set(engine.stats())
+    assert engine.stats()["dram_hits"] == 0
+
+
+def test_extension_keeps_following_the_history():
+    model = make_model()
+    engine = make_engine(model)
+    h = history(90, seed=21)
+    ticket = engine.prefill_prefix(4, h.prefix(10))
+    for L in (13, 13, 29, 64, 90):
+        res = engine.rank_with_prefix(4, h.prefix(L), candidates(5, seed=L), ticket=ticket)
+        ticket = None
+        assert res.source == "hbm"
+        assert_exact(res, model, h.prefix(L), candidates(5, seed=L))
+        assert engine.match_length(4, h.prefix(L)) == L
+    assert engine.stats()["extensions"] == 4
+    assert len(engine.pool.entries_of(4)) == 1
+    # an entry leased for a ticket not yet presented is left as it is (the ticket can still end its lease)
+    other = engine.prefill_prefix(5, h.prefix(10))
+    assert engine.rank_with_prefix(5, h.prefix(20), candidates(2)).cached_tokens == 10
+    assert engine.match_length(5, h.prefix(20)) == 10
+    engine.rank_with_prefix(5, h.prefix(20), candidates(2), ticket=other)
+    assert engine.match_length(5, h.prefix(20)) == 20
+
+
+def test_engine_constructor_checks():
+    model = make_model()
+    with pytest.raises(ValueError, match="model must be a GRRanker"):
+        rg.RelayEngine(object(), rg.CacheConfig())
+    with pytest.raises(ValueError, match="trigger must be None or have a decide"):
+        rg.RelayEngine(model, rg.CacheConfig(num_pages=8), trigger=object())
+    engine = rg.RelayEngine(model, rg.CacheConfig(num_pages=8))
+    assert engine.cache.kv[0].shape == (8, 2, 16, 2, 16) and "RelayEngine" in repr(engine)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("attention", KINDS)
+def test_triton_backend_through_the_engine(attention):
+    """The engine's forward runs unchanged on the Triton kernel (CPU: Triton's interpreter)."""
+    from relaygr_engine.kernels import _common
+    if not _common.interpreter_active():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
+    model = make_model(attention)
+    engine = make_engine(model, cache=dict(attention_backend="triton"))
+    for ts in (True, False):
+        h, cands = history(27, seed=3, timestamps=ts), candidates(5)
+        ticket = engine.prefill_prefix(1, h.prefix(12))
+        hit = engine.rank_with_prefix(1, h, cands, ticket=ticket)
+        miss = engine.rank_with_prefix(2, h, cands)
+        assert (hit.source, miss.source) == ("hbm", "recompute")
+        assert_exact(hit, model, h, cands)
+        assert_exact(miss, model, h, cands)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def _bad_requests(h, cands, ticket):
+    other = rg.PrefixTicket(True, "admitted", 99, ticket.fingerprint, 10, 1.0)
+    return [
+        (dict(history=rg.Behaviors(h.item_ids + 1000, h.action_ids, h.timestamps)), "history.item_ids"),
+        (dict(history=rg.Behaviors(h.item_ids, h.action_ids - 1, h.timestamps)), "history.action_ids"),
+        (dict(history=rg.Behaviors(torch.zeros(129, dtype=torch.long))), "max_seq_len=128"),
+        (dict(candidates=cands[:0]), "at least one item id"),
+        (dict(candidates=cands.view(2, -1)), "candidates must be a 1-D int64"),
+        (dict(candidates=cands.float()), "candidates must be a 1-D int64"),
+        (dict(candidates=cands + 1000), "candidates must be in"),
+        (dict(candidates=None), "candidates must be a 1-D int64"),
+        (dict(request_time=float("nan")), "request_time must be an integer"),
+        (dict(ticket=other), "ticket is for user_id=99"),
+        (dict(ticket="t"), "ticket must be a PrefixTicket"),
+        (dict(user_id=-1), "user_id must be an integer in"),
+        (dict(user_id=1 << 64), "user_id must be an integer in"),
+        (dict(user_id=True), "user_id must be an integer in"),
+        (dict(now=float("inf")), "now must be a finite time"),
+    ]
+
+
+def test_bad_input_raises_before_any_state_change():
+    model = make_model()
+    engine = make_engine(model)
+    h = history(30, seed=3)
+    ticket = engine.prefill_prefix(7, h.prefix(20))
+    cands = candidates(8)
+    before = snapshot(engine)
+    for change, match in _bad_requests(h, cands, ticket):
+        kw = dict(user_id=7, history=h, candidates=cands, ticket=ticket)
+        kw.update(change)
+        with pytest.raises(ValueError, match=match):
+            engine.rank_with_prefix(**kw)
+        assert snapshot(engine) == before, change
+        if "now" in change:
+            continue
+        good = rg.RankRequest(7, h, cands, ticket)  # a bad request anywhere in a batch rejects all of it
+        with pytest.raises(ValueError, match=match):
+            engine.rank_with_prefix_batch([good, rg.RankRequest(**{k: v for k, v in kw.items()})])
+        assert snapshot(engine) == before, change
+    with pytest.raises(ValueError, match="requests\\[0\\] must be a RankRequest"):
+        engine.rank_with_prefix_batch([(7, h, cands)])
+    for hist, match in [(rg.Behaviors(h.item_ids[:0]), "at least one behavior"),
+                        (rg.Behaviors(h.item_ids + 5000), "history.item_ids"), ("x", "must be a Behaviors")]:
+        with pytest.raises(ValueError, match=match):
+            engine.prefill_prefix(7, hist)
+        with pytest.raises(ValueError, match=match):
+            engine.prefill_prefix_batch([(8, h), (7, hist)])
+        assert snapshot(engine) == before
+    with pytest.raises(ValueError, match="items\\[0\\] must be a \\(user_id, history\\) pair"):
+        engine.prefill_prefix_batch([h])
+    with pytest.raises(ValueError, match="now must be a finite time"):
+        engine.prefill_prefix(7, h, now=float("nan"))
+    assert snapshot(engine) == before
+    # the request that was refused works unchanged afterwards
+    assert_exact(engine.rank_with_prefix(7, h, cands, ticket=ticket), model, h, cands)

@@ -1,0 +1,282 @@
+"""paged_prefix_attention: the torch op against a naive per-query loop, validation, dispatch, registration."""
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relaygr_engine.ops as ops
+from relaygr_engine.ops import paged_prefix_attention, time_buckets
+
+PAGE = 4
+H, D = 2, 8
+NUM_PAGES = 48
+NB = 9  # time buckets
+POS = 33  # position-bias entries
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one intra-op thread avoids OpenMP oversubscription on shared CI machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+def make_batch(segments, seed=0, same_request_time=True):
+    """Random op inputs for users given as (prefix tokens P, new history tokens n, candidates C)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n + c for _, n, c in segments)
+    q, k, v = (torch.randn(total, H, D, generator=g) for _ in range(3))
+    kv_cache = torch.randn(NUM_PAGES, 2, PAGE, H, D, generator=g)
+    ts_cache = torch.randint(0, 1 << 20, (NUM_PAGES, PAGE), generator=g)
+    free = torch.randperm(NUM_PAGES, generator=g).tolist()
+    indptr, indices, last, cu, ncand, ts_q = [0], [], [], [0], [], []
+    for P, n, c in segments:
+        pages = -(-P // PAGE)
+        indices += [free.pop() for _ in range(pages)]
+        indptr.append(len(indices))
+        last.append(P - (pages - 1) * PAGE if pages else 0)
+        cu.append(cu[-1] + n + c)
+        ncand.append(c)
+        t_new = (1 << 20) + torch.randint(0, 1 << 12, (n,), generator=g)
+        t_req = (1 << 21) + torch.randint(0, 1 << 12, (1 if same_request_time else c,), generator=g).expand(c)
+        ts_q.append(torch.cat([t_new, t_req]))
+    i32 = (lambda a: torch.tensor(a, dtype=torch.int32))
+    return dict(q=q, k=k, v=v, kv_cache=kv_cache, kv_indptr=i32(indptr), kv_indices=i32(indices),
+                kv_last_page_len=i32(last), cu_seqlens_q=i32(cu), num_candidates=i32(ncand),
+                ts_cache=ts_cache, ts_q=torch.cat(ts_q).long())
+
+
+def naive(args, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None):
+    """One query row at a time, keys listed token by token, in float64: the op's spec written out literally."""
+    a = {key: (t.double() if t.is_floating_point() else t) for key, t in args.items()}
+    q, k, v, cache = a["q"], a["k"], a["v"], a["kv_cache"]
+    indptr, indices = a["kv_indptr"].tolist(), a["kv_indices"].tolist()
+    last, cu, ncand = a["kv_last_page_len"].tolist(), a["cu_seqlens_q"].tolist(), a["num_candidates"].tolist()
+    ts_cache, ts_q = a["ts_cache"], a["ts_q"]
+    out = torch.zeros_like(q)
+    for b in range(len(ncand)):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        P = (len(pages) - 1) * PAGE + last[b] if pages else 0
+        # (position, key, value, time) of every cached token
+        prefix = [(j, cache[pages[j // PAGE], 0, j % PAGE], cache[pages[j // PAGE], 1, j % PAGE],
+                   int(ts_cache[pages[j // PAGE], j % PAGE])) for j in range(P)]
+        r0, r1 = cu[b], cu[b + 1]
+        n = r1 - r0 - ncand[b]
+        new = [(P + i, k[r0 + i], v[r0 + i], int(ts_q[r0 + i])) for i in range(n)]
+        for i in range(r1 - r0):
+            row = r0 + i
+            if i < n:
+                q_pos, keys = P + i, prefix + new[:i + 1]
+            else:
+                q_pos, keys = P + n, prefix + new + [(P + n, k[row], v[row], int(ts_q[row]))]
+            t_q = int(ts_q[row])
+            for h in range(H):
+                logits = torch.stack([scale * (q[row, h] @ kk[h]) for _, kk, _, _ in keys])
+                vals = torch.stack([vv[h] for _, _, vv, _ in keys])
+                if mode == "softmax":
+                    out[row, h] = torch.softmax(logits, 0) @ vals
+                    continue
+                for j, (k_pos, _, _, t_k) in enumerate(keys):
+                    if pos_bias is not None:
+                        logits[j] += float(pos_bias[min(q_pos - k_pos, len(pos_bias) - 1)])
+                    if ts_bias is not None:
+                        logits[j] += float(ts_bias[min(max(t_q - t_k, 0).bit_length(), len(ts_bias) - 1)])
+                out[row, h] = F.silu(logits) @ vals / hstu_norm
+    return out
+
+
+SEGMENTS = {
+    "empty_prefix": [(0, 3, 2)],
+    "prefix_1": [(1, 0, 5)],
+    "page_minus_1": [(PAGE - 1, 2, 1)],
+    "page": [(PAGE, 1, 2)],
+    "page_plus_1": [(PAGE + 1, 0, 3)],
+    "several_pages_many_candidates": [(3 * PAGE + 2, 5, 40)],
+    "candidates_only": [(0, 0, 1)],
+    "history_only": [(2 * PAGE, 3, 0)],
+    "varlen_batch": [(0, 3, 2), (1, 0, 5), (PAGE + 1, 4, 3), (0, 0, 0), (2 * PAGE + 3, 0, 7), (PAGE, 6, 1)],
+}
+
+
+def biases(kind):
+    g = torch.Generator().manual_seed(7)
+    pos = torch.randn(POS, generator=g) if kind in ("pos", "pos+ts") else None
+    ts = torch.randn(NB, generator=g) if kind in ("ts", "pos+ts") else None
+    return pos, ts
+
+
+# ----------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("name", sorted(SEGMENTS))
+@pytest.mark.parametrize("mode, bias", [("softmax", "none"), ("hstu", "none"), ("hstu", "pos"), ("hstu", "ts"),
+                                        ("hstu", "pos+ts")])
+def test_op_matches_naive_loop(name, mode, bias):
+    args = make_batch(SEGMENTS[name], seed=len(name))
+    pos, ts = biases(bias)
+    kw = dict(mode=mode, scale=0.37)
+    if mode == "hstu":
+        kw.update(hstu_norm=5.0, pos_bias=pos, ts_bias=ts)
+    got = paged_prefix_attention(**args, **kw)
+    want = naive(args, **kw)
+    assert got.shape == args["q"].shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_small_blocks_and_per_row_request_times(monkeypatch, mode):
+    """Row blocking (forced tiny) and candidates with different timestamps give the same result."""
+    monkeypatch.setattr(ops, "_MAX_BLOCK_ELEMS", 7)
+    args = make_batch(SEGMENTS["varlen_batch"], seed=3, same_request_time=False)
+    pos, ts = biases("pos+ts")
+    kw = dict(mode=mode, scale=0.5)
+    if mode == "hstu":
+        kw.update(hstu_norm=3.0, pos_bias=pos, ts_bias=ts)
+    torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), naive(args, **kw),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_hstu_partial_sums_add_over_split_prefix():
+    """HSTU attention is a plain sum over keys: caching more of the history must not change outputs."""
+    base = make_batch([(2 * PAGE + 1, 0, 4)], seed=11)
+    pos, ts = biases("pos+ts")
+    kw = dict(mode="hstu", scale=0.3, hstu_norm=7.0, pos_bias=pos, ts_bias=ts)
+    want = naive(base, **kw)
+    torch.testing.assert_close(paged_prefix_attention(**base, **kw).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp64_inputs_accumulate_in_fp64():
+    args = {k: (t.double() if t.is_floating_point() else t) for k, t in make_batch([(PAGE + 2, 2, 3)]).items()}
+    got = paged_prefix_attention(**args, mode="softmax", scale=0.2)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, naive(args, "softmax", 0.2), atol=1e-12, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------- time buckets
+def test_time_buckets_equal_python_bit_length():
+    values = [-(1 << 40), -5, -1, 0, 1, 2, 3, 4, 5, 7, 8, 255, 256, 257, (1 << 31) - 1, 1 << 31, (1 << 52) + 1,
+              (1 << 62) - 1, 1 << 62, (1 << 63) - 1]
+    d = torch.tensor(values, dtype=torch.long)
+    for nb in (1, 2, 5, 32, 64):
+        want = [min(max(x, 0).bit_length(), nb - 1) for x in values]
+        assert time_buckets(d, nb).tolist() == want, nb
+
+
+def test_time_buckets_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_buckets"):
+        time_buckets(torch.zeros(3, dtype=torch.long), 65)
+    with pytest.raises(ValueError, match="int64"):
+        time_buckets(torch.zeros(3, dtype=torch.int32), 8)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _bad(args, **changes):
+    a = dict(args)
+    a.update(changes)
+    return a
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: dict(q=a["q"][None]), "q must be 3-D"),
+    (lambda a: dict(k=a["k"][:-1]), "k must have the shape of q"),
+    (lambda a: dict(v=a["v"].double()), "v must be torch.float32"),
+    (lambda a: dict(kv_cache=a["kv_cache"][:, :1]), "kv_cache must have shape"),
+    (lambda a: dict(kv_cache=a["kv_cache"][..., :3]), "kv_cache must have shape"),
+    (lambda a: dict(kv_indptr=a["kv_indptr"].long()), "kv_indptr must be torch.int32"),
+    (lambda a: dict(kv_indices=a["kv_indices"].long()), "kv_indices must be torch.int32"),
+    (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:-1]), "cu_seqlens_q must have 3 entries"),
+    (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].flip(0)), "cu_seqlens_q must be non-decreasing"),
+    (lambda a: dict(kv_indptr=a["kv_indptr"] + 1), "kv_indptr must be non-decreasing offsets from 0"),
+    (lambda a: dict(num_candidates=a["num_candidates"] + 100), r"num_candidates\[0\] must be in"),
+    (lambda a: dict(kv_last_page_len=a["kv_last_page_len"] * 0), r"kv_last_page_len\[0\] must be in \[1, 4\]"),
+    (lambda a: dict(kv_indices=a["kv_indices"] + NUM_PAGES), "kv_indices must hold page ids in"),
+    (lambda a: dict(num_candidates=a["num_candidates"][None]), "num_candidates must be 1-D"),
+])
+def test_validation_names_the_bad_argument(change, match):
+    args = make_batch([(PAGE + 1, 2, 3), (2, 1, 1)])
+    with pytest.raises(ValueError, match=match):
+        paged_prefix_attention(**_bad(args, **change(args)), mode="softmax", scale=1.0)
+
+
+def test_validation_of_mode_scale_and_biases():
+    args = make_batch([(PAGE + 1, 2, 3)])
+    pos, ts = biases("pos+ts")
+    with pytest.raises(ValueError, match="mode must be one of 'softmax', 'hstu'"):
+        paged_prefix_attention(**args, mode="linear", scale=1.0)
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'triton'"):
+        paged_prefix_attention(**args, mode="hstu", scale=1.0, backend="cuda")
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        paged_prefix_attention(**args, mode="hstu", scale=float("nan"))
+    with pytest.raises(ValueError, match="hstu_norm must be a finite number > 0"):
+        paged_prefix_attention(**args, mode="hstu", scale=1.0, hstu_norm=0.0)
+    with pytest.raises(ValueError, match="apply to mode='hstu' only"):
+        paged_prefix_attention(**args, mode="softmax", scale=1.0, pos_bias=pos)
+    no_ts = dict(args, ts_q=None)
+    with pytest.raises(ValueError, match="ts_q .* is required with ts_bias"):
+        paged_prefix_attention(**no_ts, mode="hstu", scale=1.0, ts_bias=ts)
+    with pytest.raises(ValueError, match="ts_cache .* is required"):
+        paged_prefix_attention(**dict(args, ts_cache=None), mode="hstu", scale=1.0, ts_bias=ts)
+    with pytest.raises(ValueError, match="ts_q must be torch.int64"):
+        paged_prefix_attention(**dict(args, ts_q=args["ts_q"].int()), mode="hstu", scale=1.0, ts_bias=ts)
+    with pytest.raises(ValueError, match="pos_bias must be a floating-point"):
+        paged_prefix_attention(**args, mode="hstu", scale=1.0, pos_bias=torch.zeros(4, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+def test_triton_backend_dispatches_with_the_same_arguments(monkeypatch):
+    seen = {}
+
+    def prefix_attention(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return torch.zeros_like(args[0])
+
+    fake = types.ModuleType("relaygr_engine.kernels.prefix_attention")
+    fake.prefix_attention = prefix_attention
+    monkeypatch.setitem(sys.modules, "relaygr_engine.kernels.prefix_attention", fake)
+    args = make_batch([(PAGE + 1, 2, 3)])
+    pos, ts = biases("pos+ts")
+    out = paged_prefix_attention(**args, mode="hstu", scale=0.5, hstu_norm=4.0, pos_bias=pos, ts_bias=ts,
+                                 backend="triton")
+    assert torch.equal(out, torch.zeros_like(args["q"]))
+    names = ["q", "k", "v", "kv_cache", "kv_indptr", "kv_indices", "kv_last_page_len", "cu_seqlens_q",
+             "num_candidates"]
+    assert all(a is args[n] for a, n in zip(seen["args"], names)) and len(seen["args"]) == len(names)
+    kw = seen["kwargs"]
+    assert kw["mode"] == "hstu" and kw["scale"] == 0.5 and kw["hstu_norm"] == 4.0
+    assert kw["pos_bias"] is pos and kw["ts_bias"] is ts and kw["ts_cache"] is args["ts_cache"]
+    assert kw["ts_q"] is args["ts_q"]
+
+
+def test_triton_backend_missing_kernel_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "relaygr_engine.kernels.prefix_attention", None)  # import raises
+    args = make_batch([(PAGE, 1, 1)])
+    with pytest.raises(ImportError, match="backend='triton' needs relaygr_engine.kernels.prefix_attention"):
+        paged_prefix_attention(**args, mode="softmax", scale=1.0, backend="triton")
+    # auto on the CPU is the torch reference and never needs Triton
+    out = paged_prefix_attention(**args, mode="softmax", scale=1.0, backend="auto")
+    torch.testing.assert_close(out.double(), naive(args, "softmax", 1.0), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- registration
+def test_registered_custom_op_and_fake_impl():
+    args = make_batch([(PAGE + 1, 2, 3), (0, 1, 2)])
+    pos, ts = biases("pos+ts")
+    call = (args["q"], args["k"], args["v"], args["kv_cache"], args["kv_indptr"], args["kv_indices"],
+            args["kv_last_page_len"], args["cu_seqlens_q"], args["num_candidates"], "hstu", 0.5, 3.0, pos, ts,
+            args["ts_cache"], args["ts_q"])
+    op = torch.ops.relaygr.paged_prefix_attention.default
+    torch.testing.assert_close(op(*call), paged_prefix_attention(**args, mode="hstu", scale=0.5, hstu_norm=3.0,
+                                                                   pos_bias=pos, ts_bias=ts))
+    torch.library.opcheck(op, call, test_utils=("test_schema", "test_faketensor"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake_call = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in call)
+        out = op(*fake_call)
+    assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
+    assert math.isfinite(float(paged_prefix_attention(**args, mode="softmax", scale=1.0).abs().sum()))

@@ -1,0 +1,130 @@
+"""``relaygr bench rank``: full inference vs ranking against a cached prefix, over history length and candidates.
+
+For each history length ``L`` and candidate count ``C`` it times, end to end from Python (median of ``--repeats``
+interleaved runs after a warm-up):
+
+* ``full``: ``model.rank_full(history, candidates)``, dense masked attention over all ``L + C`` tokens (the no-cache
+  baseline the issue names);
+* ``recompute``: ``engine.rank_with_prefix`` for a user with nothing cached, i.e. the same paged op with an empty
+  prefix (causal blocks, no masked-out work): the conservative baseline, isolating what the cache itself saves;
+* ``cached``: ``engine.rank_with_prefix`` where the first ``L - new`` tokens were pre-inferred (``prefill_prefix``,
+  not timed) and only the last ``new`` tokens (default 16) plus the candidates are computed.
+
+Scores of all three are checked to agree.
+
+Model: HSTU (or ``--attention softmax``), hidden 64, 2 heads x 32, ``--layers`` layers (default 2), fp32.
+
+    relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--layers N] [--new N] [--repeats N]
+                       [--threads N] [--device cpu|cuda] [--backend auto|torch|triton]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from ..config import CacheConfig
+from ..engine import RelayEngine
+from ..models import Behaviors, GRModelConfig, build_ranker
+from .common import emit_result, environment
+
+LENGTHS = (256, 1024, 4096)
+CANDIDATES = (64, 256)
+
+
+def _history(L: int, num_items: int, seed: int) -> Behaviors:
+    g = torch.Generator().manual_seed(seed)
+    return Behaviors(item_ids=torch.randint(0, num_items, (L,), generator=g),
+                     action_ids=torch.randint(0, 4, (L,), generator=g),
+                     timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
+
+
+def _time(fn, device: torch.device):
+    """(milliseconds, result) of one call of ``fn``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="relaygr bench rank", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: L in {256, 1024}, C = 64, 1 repeat")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    ap.add_argument("--attention", default="hstu", choices=["hstu", "softmax"])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--new", type=int, default=16, help="history tokens not in the cached prefix (default 16)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths, cands = ((256, 1024), (64,)) if args.quick else (LENGTHS, CANDIDATES)
+    repeats = 1 if args.quick else max(1, args.repeats)
+    device = torch.device(args.device)
+
+    cfg = GRModelConfig(attention=args.attention, num_layers=args.layers, hidden_dim=64, num_heads=2, head_dim=32,
+                        num_items=10_000, num_actions=4, max_seq_len=max(lengths), num_tasks=2)
+    model = build_ranker(cfg, seed=0, device=device)
+    pages = sum(-(-L // 16) for L in lengths) + 16
+    engine = RelayEngine(model, CacheConfig(device=str(device), page_size=16, num_pages=pages,
+                                            max_pinned_fraction=1.0, lease_ttl_s=3600.0,
+                                            attention_backend=args.backend), extend_on_rank=False)
+    env = environment(str(device))
+    print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden 64, 2 heads x 32, fp32, "
+          f"{env['device_name']}, {env['threads']} threads, prefix = L - {args.new}, "
+          f"median of {repeats} (after a warm-up)")
+    print(f"{'L':>6} {'C':>5} {'cached':>7} {'full ms':>10} {'recomp ms':>10} {'cached ms':>10} "
+          f"{'vs full':>8} {'vs recomp':>9} {'max|diff|':>10}")
+    result: dict = {}
+    rows = []
+    worst = 0.0
+    for i, L in enumerate(lengths):
+        hist = _history(L, cfg.num_items, seed=i)
+        prefix = max(1, L - args.new)
+        ticket = engine.prefill_prefix(user_id=i, history=hist.prefix(prefix))
+        if not ticket.admitted:
+            raise RuntimeError(f"prefill of {prefix} tokens was not admitted: {ticket.reason}")
+        for C in cands:
+            c = torch.randint(0, cfg.num_items, (C,), generator=torch.Generator().manual_seed(C), device=device)
+            full_ms, recompute_ms, cached_ms = [], [], []
+            for r in range(repeats + 1):  # run 0 warms up
+                t_full, full = _time(lambda: model.rank_full(hist, c), device)
+                t_re, miss = _time(lambda: engine.rank_with_prefix(user_id=1000 + i, history=hist, candidates=c),
+                                   device)
+                t_cached, res = _time(lambda: engine.rank_with_prefix(user_id=i, history=hist, candidates=c), device)
+                if res.source != "hbm" or res.cached_tokens != prefix or miss.source != "recompute":
+                    raise RuntimeError(f"expected a hit of {prefix} tokens and a miss, got {res.source} "
+                                       f"{res.cached_tokens} and {miss.source}")
+                if r:
+                    full_ms.append(t_full)
+                    recompute_ms.append(t_re)
+                    cached_ms.append(t_cached)
+            diff = max(float((res.scores - full).abs().max()), float((miss.scores - full).abs().max()))
+            worst = max(worst, diff)
+            f, rc, k = (statistics.median(x) for x in (full_ms, recompute_ms, cached_ms))
+            rows.append(dict(L=L, C=C, cached_tokens=prefix, full_ms=f, recompute_ms=rc, cached_ms=k,
+                             speedup=f / k, speedup_vs_recompute=rc / k, max_abs_diff=diff))
+            print(f"{L:>6} {C:>5} {prefix:>7} {f:>10.2f} {rc:>10.2f} {k:>10.2f} {f / k:>7.1f}x {rc / k:>8.1f}x "
+                  f"{diff:>10.2e}")
+            result[f"speedup_L{L}_C{C}"] = round(f / k, 2)
+            result[f"speedup_vs_recompute_L{L}_C{C}"] = round(rc / k, 2)
+            result[f"full_ms_L{L}_C{C}"] = round(f, 2)
+            result[f"recompute_ms_L{L}_C{C}"] = round(rc, 2)
+            result[f"cached_ms_L{L}_C{C}"] = round(k, 2)
+    result.update(max_abs_diff=worst, attention=args.attention, layers=args.layers, device=str(device),
+                  threads=env["threads"])
+    emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,428 @@
+"""Attention of new rows over a paged prefix KV cache: the one op every cached forward goes through.
+
+``paged_prefix_attention`` takes, for a batch of users, the query/key/value rows that are computed now (each
+user's new history tokens, then its candidates) and one layer's paged cache of the users' prefixes, and returns
+each row's attention output. Three implementations share one signature:
+
+* ``relaygr::paged_prefix_attention``, a ``torch.library`` custom op whose implementation is the pure-torch
+  reference below (varlen: one user at a time, no padding), with a fake implementation for tracing;
+* the Triton kernel ``relaygr_engine.kernels.prefix_attention.prefix_attention`` (``backend="triton"``), loaded
+  on first use;
+* ``backend="auto"``: Triton on CUDA/NPU devices, the torch reference elsewhere.
+
+Semantics (user ``b``)
+----------------------
+``P_b = (pages_b - 1) * page_size + kv_last_page_len[b]`` cached prefix tokens (0 without pages);
+``n_b = (cu_seqlens_q[b+1] - cu_seqlens_q[b]) - num_candidates[b]`` new history tokens.
+
+* Positions: prefix token ``j`` -> ``j``; new history token ``i`` -> ``P_b + i``; every candidate -> ``P_b + n_b``.
+* Masks: new history token ``i`` sees the ``P_b`` prefix tokens and new history tokens ``0..i`` (causal); a
+  candidate sees every prefix and new history token and itself, never another candidate.
+* ``mode="softmax"``: ``out_i = softmax_j(scale * q_i.k_j) v_j`` over the visible keys (no bias).
+* ``mode="hstu"``: ``out_i = sum_j SiLU(scale * q_i.k_j + rab_ij) v_j / hstu_norm`` over the visible keys, with
+  ``rab_ij = pos_bias[min(pos_i - pos_j, len(pos_bias) - 1)] + ts_bias[time_bucket(t_i - t_j)]`` (each term
+  only when its table is given). ``t_j`` of a cached token comes from ``ts_cache``, of a new row from ``ts_q``.
+
+Keys of the cached tokens are read from ``kv_cache[page, 0, slot]``, values from ``kv_cache[page, 1, slot]``
+(``page = kv_indices[kv_indptr[b] + t // page_size]``, ``slot = t % page_size``; FlashInfer's NHD layout).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .config import AttentionBackend, parse_choice
+
+__all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "time_buckets"]
+
+_log = logging.getLogger("relaygr_engine")
+
+# Largest score block (heads x rows x keys) the torch reference materialises at once; bounds its memory at
+# ~16 MiB per temporary while keeping matmuls large.
+_MAX_BLOCK_ELEMS = 1 << 22
+
+
+class AttentionMode(str, enum.Enum):
+    """How attention weights are formed."""
+
+    SOFTMAX = "softmax"  # softmax(scale * q.k) over visible keys
+    HSTU = "hstu"        # SiLU(scale * q.k + rab) / hstu_norm, pointwise (no normalisation over keys)
+
+
+# ---------------------------------------------------------------------------------------------------- time buckets
+@functools.lru_cache(maxsize=32)
+def _pow2_boundaries(num_buckets: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([1 << b for b in range(num_buckets - 1)], dtype=torch.long, device=device)
+
+
+def time_buckets(delta: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket of a time difference: ``min(bit_length(max(delta, 0)), num_buckets - 1)``, in exact integers.
+
+    ``bit_length(0) = 0``, ``bit_length(1) = 1``, ``bit_length(2..3) = 2``, ``bit_length(4..7) = 3``, ...: bucket
+    ``b >= 1`` holds differences in ``[2**(b-1), 2**b)`` seconds; negative differences fall in bucket 0.
+
+    Parameters
+    ----------
+    delta : LongTensor [...]
+        Time differences (int64, seconds).
+    num_buckets : int
+        Number of buckets ``NB`` in ``[1, 64]``.
+
+    Returns
+    -------
+    LongTensor [...] in ``[0, num_buckets)``.
+    """
+    if not 1 <= num_buckets <= 64:
+        raise ValueError(f"num_buckets must be in [1, 64], got {num_buckets}")
+    if delta.dtype != torch.long:
+        raise ValueError(f"delta must be int64, got {delta.dtype}")
+    if num_buckets == 1:
+        return torch.zeros_like(delta)
+    # The count of boundaries 1, 2, 4, ..., 2**(NB-2) that are <= delta is exactly min(bit_length(delta), NB-1).
+    return torch.bucketize(delta, _pow2_boundaries(num_buckets, delta.device), right=True)
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+def _rab(dist, t_delta, pos_bias, ts_bias):
+    """``pos_bias[min(dist, P-1)] + ts_bias[time_bucket(t_delta)]`` (either term may be absent); None if both are."""
+    rab = None
+    if pos_bias is not None:
+        rab = pos_bias[dist.clamp_(0, pos_bias.numel() - 1)]
+    if ts_bias is not None:
+        tb = ts_bias[time_buckets(t_delta, ts_bias.numel())]
+        rab = tb if rab is None else rab + tb
+    return rab
+
+
+def _attend_history(qt, kt, vt, out, r0, r1, P, mode, norm, pos_bias, ts_bias, t_rows, t_keys):
+    """History rows ``r0..r1-1`` (causal over prefix + new tokens); writes ``out[r0:r1]`` ``[rows, H, D]``.
+
+    ``qt [H, m, D]`` is already multiplied by ``scale``; ``kt [H, D, P+n]``, ``vt [H, P+n, D]``.
+    """
+    nk = P + r1  # keys visible to the block's last row
+    s = torch.matmul(qt[:, r0:r1], kt[:, :, :nk])  # [H, rows, nk]
+    q_pos = torch.arange(P + r0, P + r1, device=s.device)
+    k_pos = torch.arange(nk, device=s.device)
+    hidden = k_pos[None, :] > q_pos[:, None]  # [rows, nk]
+    if mode is AttentionMode.SOFTMAX:
+        o = torch.matmul(torch.softmax(s.masked_fill_(hidden, float("-inf")), dim=-1), vt[:, :nk])
+    else:
+        t_delta = None if ts_bias is None else t_rows[r0:r1, None] - t_keys[None, :nk]
+        rab = _rab(q_pos[:, None] - k_pos[None, :], t_delta, pos_bias, ts_bias)
+        if rab is not None:
+            s.add_(rab)
+        a = F.silu(s, inplace=True).masked_fill_(hidden, 0.0)
+        o = torch.matmul(a, vt[:, :nk]).div_(norm)
+    out[r0:r1] = o.transpose(0, 1)
+
+
+def _attend_candidates(qt, kt, vt, q, k, v, out, c0, c1, P, n, mode, norm, pos_bias, ts_bias, t_rows, t_keys):
+    """Candidate rows ``c0..c1-1``: all prefix + new history keys, plus each row's own key.
+
+    ``qt [H, m, D]`` and ``q [m, H, D]`` are already multiplied by ``scale``.
+    """
+    nk = P + n
+    s = torch.matmul(qt[:, c0:c1], kt)  # [H, rows, nk]
+    s_self = (q[c0:c1] * k[c0:c1]).sum(-1).transpose(0, 1)  # [H, rows]
+    v_self = v[c0:c1].transpose(0, 1)  # [H, rows, D]
+    if mode is AttentionMode.SOFTMAX:
+        p = torch.softmax(torch.cat([s, s_self[..., None]], dim=-1), dim=-1)
+        o = torch.matmul(p[..., :nk], vt).add_(p[..., nk:] * v_self)
+    else:
+        # Every candidate sits at position P + n: the distance to key j is P + n - j, to itself 0; its time
+        # difference to itself is 0 (bucket 0). With one request time the bias is one row shared by all candidates.
+        dist = torch.arange(nk, 0, -1, device=s.device)
+        t_delta = None
+        if ts_bias is not None:
+            t_c = t_rows[c0:c1]
+            if bool((t_c == t_c[0]).all()):
+                t_delta = t_c[0] - t_keys
+            else:
+                t_delta = t_c[:, None] - t_keys[None, :]
+        rab = _rab(dist, t_delta, pos_bias, ts_bias)
+        if rab is not None:
+            s.add_(rab)
+        if pos_bias is not None:
+            s_self = s_self + pos_bias[0]
+        if ts_bias is not None:
+            s_self = s_self + ts_bias[0]
+        a = F.silu(s, inplace=True)
+        o = torch.matmul(a, vt).add_(F.silu(s_self)[..., None] * v_self).div_(norm)
+    out[c0:c1] = o.transpose(0, 1)
+
+
+def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
+                                 num_candidates, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None,
+                                 ts_cache=None, ts_q=None):
+    """Pure-torch reference of :func:`paged_prefix_attention` (no input validation; see that function).
+
+    Users are processed one after another; within a user, query rows go in blocks of at most
+    ``_MAX_BLOCK_ELEMS / (H * keys)`` rows, and history blocks read only the keys their last row can see (the
+    causal upper triangle beyond the block is never computed). Accumulation is in fp32 (fp64 for fp64 inputs).
+
+    Returns
+    -------
+    Tensor [total_q, H, D], dtype of ``q``.
+    """
+    mode = AttentionMode(mode)
+    H, D = q.shape[1], q.shape[2]
+    page_size = kv_cache.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    indptr = kv_indptr.tolist()
+    last = kv_last_page_len.tolist()
+    ncand = num_candidates.tolist()
+    pos_bias = None if pos_bias is None else pos_bias.to(acc)
+    ts_bias = None if ts_bias is None else ts_bias.to(acc)
+    use_ts = mode is AttentionMode.HSTU and ts_bias is not None
+    for b in range(len(ncand)):
+        r0, r1 = cu[b], cu[b + 1]
+        m = r1 - r0
+        if m == 0:
+            continue
+        n = m - ncand[b]
+        num_pages = indptr[b + 1] - indptr[b]
+        P = (num_pages - 1) * page_size + last[b] if num_pages else 0
+        qb, kb, vb = q[r0:r1].to(acc), k[r0:r1].to(acc), v[r0:r1].to(acc)
+        if num_pages:
+            pages = kv_indices[indptr[b]:indptr[b + 1]].long()
+            blk = kv_cache.index_select(0, pages).to(acc)  # [pages, 2, page_size, H, D]
+            keys = torch.cat([blk[:, 0].reshape(-1, H, D)[:P], kb[:n]])  # [P + n, H, D]
+            vals = torch.cat([blk[:, 1].reshape(-1, H, D)[:P], vb[:n]])
+        else:
+            keys, vals = kb[:n], vb[:n]
+        t_rows = t_keys = None
+        if use_ts:  # timestamps of the rows [m] and of the keys [P + n]
+            t_rows = ts_q[r0:r1]
+            t_cached = ts_cache.index_select(0, pages).reshape(-1)[:P] if num_pages else t_rows[:0]
+            t_keys = torch.cat([t_cached, t_rows[:n]])
+        qb = qb * scale  # scaling q (m rows) is cheaper than scaling the scores (m x keys)
+        qt = qb.transpose(0, 1)  # [H, m, D]
+        kt = keys.permute(1, 2, 0)  # [H, D, P + n]
+        vt = vals.transpose(0, 1)  # [H, P + n, D]
+        ob = out[r0:r1]
+        rows = max(1, _MAX_BLOCK_ELEMS // (H * max(1, P + n)))
+        for c0 in range(0, n, rows):
+            _attend_history(qt, kt, vt, ob, c0, min(n, c0 + rows), P, mode, hstu_norm, pos_bias,
+                            ts_bias if use_ts else None, t_rows, t_keys)
+        for c0 in range(n, m, rows):
+            _attend_candidates(qt, kt, vt, qb, kb, vb, ob, c0, min(m, c0 + rows), P, n, mode, hstu_norm, pos_bias,
+                               ts_bias if use_ts else None, t_rows, t_keys)
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- custom op
+@torch.library.custom_op("relaygr::paged_prefix_attention", mutates_args=())
+def _paged_prefix_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    num_candidates: torch.Tensor, mode: str, scale: float, hstu_norm: float, pos_bias: Optional[torch.Tensor],
+    ts_bias: Optional[torch.Tensor], ts_cache: Optional[torch.Tensor], ts_q: Optional[torch.Tensor],
+) -> torch.Tensor:
+    return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
+                                        num_candidates, mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
+
+
+@_paged_prefix_attention_op.register_fake
+def _(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode, scale,
+      hstu_norm, pos_bias, ts_bias, ts_cache, ts_q):
+    return q.new_empty(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def _tensor(name: str, x, dims: int, device: torch.device, dtype=None, floating: bool = False) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of q), got {x.device}")
+    return x
+
+
+def _check_offsets(name: str, values: list[int], total: int, what: str) -> None:
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing offsets from 0 to {total} ({what}), got {values}")
+
+
+def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
+                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q) -> None:
+    """Raise ValueError naming the first bad argument (expected vs actual)."""
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    dev = q.device
+    _tensor("q", q, 3, dev, floating=True)
+    for name, x in (("k", k), ("v", v)):
+        _tensor(name, x, 3, dev, dtype=q.dtype)
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(x.shape)}")
+    total, H, D = q.shape
+    _tensor("kv_cache", kv_cache, 5, dev, dtype=q.dtype)
+    if kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (H, D) or kv_cache.shape[2] < 1:
+        raise ValueError(f"kv_cache must have shape [num_pages, 2, page_size, {H}, {D}], got "
+                         f"{tuple(kv_cache.shape)}")
+    num_pages, _, page_size = kv_cache.shape[:3]
+    for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len),
+                    ("cu_seqlens_q", cu_seqlens_q), ("num_candidates", num_candidates)):
+        _tensor(name, x, 1, dev, dtype=torch.int32)
+    B = num_candidates.numel()
+    for name, x, want in (("kv_indptr", kv_indptr, B + 1), ("kv_last_page_len", kv_last_page_len, B),
+                          ("cu_seqlens_q", cu_seqlens_q, B + 1)):
+        if x.numel() != want:
+            raise ValueError(f"{name} must have {want} entries (B = len(num_candidates) = {B}), got {x.numel()}")
+    cu, indptr = cu_seqlens_q.tolist(), kv_indptr.tolist()
+    last, ncand = kv_last_page_len.tolist(), num_candidates.tolist()
+    _check_offsets("cu_seqlens_q", cu, total, "rows of q")
+    _check_offsets("kv_indptr", indptr, kv_indices.numel(), "entries of kv_indices")
+    for b in range(B):
+        rows, pages = cu[b + 1] - cu[b], indptr[b + 1] - indptr[b]
+        if not 0 <= ncand[b] <= rows:
+            raise ValueError(f"num_candidates[{b}] must be in [0, {rows}] (user {b}'s rows), got {ncand[b]}")
+        lo, hi = (1, page_size) if pages else (0, 0)
+        if not lo <= last[b] <= hi:
+            raise ValueError(f"kv_last_page_len[{b}] must be in [{lo}, {hi}] (user {b} has {pages} pages), "
+                             f"got {last[b]}")
+    if kv_indices.numel():
+        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{lo}, {hi}]")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if not (isinstance(hstu_norm, (int, float)) and not isinstance(hstu_norm, bool) and math.isfinite(hstu_norm)
+            and hstu_norm > 0):
+        raise ValueError(f"hstu_norm must be a finite number > 0, got {hstu_norm!r}")
+    if mode is AttentionMode.SOFTMAX:
+        if pos_bias is not None or ts_bias is not None:
+            raise ValueError("pos_bias and ts_bias apply to mode='hstu' only; got a bias with mode='softmax'")
+        return
+    if pos_bias is not None:
+        _tensor("pos_bias", pos_bias, 1, dev, floating=True)
+        if pos_bias.numel() < 1:
+            raise ValueError("pos_bias must have at least 1 entry, got 0")
+    if ts_bias is not None:
+        _tensor("ts_bias", ts_bias, 1, dev, floating=True)
+        if not 1 <= ts_bias.numel() <= 64:
+            raise ValueError(f"ts_bias must have 1..64 entries (time buckets), got {ts_bias.numel()}")
+        if ts_q is None:
+            raise ValueError("ts_q (timestamps of the query rows) is required with ts_bias")
+        _tensor("ts_q", ts_q, 1, dev, dtype=torch.long)
+        if ts_q.numel() != total:
+            raise ValueError(f"ts_q must have {total} entries (rows of q), got {ts_q.numel()}")
+        if kv_indices.numel():
+            if ts_cache is None:
+                raise ValueError("ts_cache (timestamps of cached tokens) is required with ts_bias and cached pages")
+            _tensor("ts_cache", ts_cache, 2, dev, dtype=torch.long)
+            if tuple(ts_cache.shape) != (num_pages, page_size):
+                raise ValueError(f"ts_cache must have shape [{num_pages}, {page_size}], got {tuple(ts_cache.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------- entry point
+def _triton_impl():
+    try:
+        from .kernels.prefix_attention import prefix_attention
+    except ImportError as exc:
+        raise ImportError(
+            "backend='triton' needs relaygr_engine.kernels.prefix_attention.prefix_attention, which failed to import "
+            f"({type(exc).__name__}: {exc}); install Triton or use backend='torch'") from exc
+    return prefix_attention
+
+
+def _resolve_backend(backend, device: torch.device) -> AttentionBackend:
+    b = parse_choice(AttentionBackend, backend, "backend")
+    if b is not AttentionBackend.AUTO:
+        return b
+    if device.type in ("cuda", "npu"):
+        try:
+            _triton_impl()
+            return AttentionBackend.TRITON
+        except ImportError as exc:
+            _warn_once(f"backend='auto' on {device.type}: Triton kernel unavailable ({exc}); using the torch reference")
+    return AttentionBackend.TORCH
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    _log.warning(message)
+
+
+def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
+                           *, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
+                           backend="torch"):
+    """Attention of each user's new history rows and candidates over its cached prefix pages and its new rows.
+
+    See the module docstring for the exact positions, masks and formulas.
+
+    Parameters
+    ----------
+    q, k, v : Tensor [total_q, H, D]
+        Per user, its new history tokens then its candidates, user after user; ``k``/``v`` are those rows' K/V.
+    kv_cache : Tensor [num_pages, 2, page_size, H, D]
+        One layer's paged cache (index 0 = K, 1 = V); same dtype and device as ``q``.
+    kv_indptr : int32 [B+1]
+        Page offsets of each user into ``kv_indices``.
+    kv_indices : int32 [nnz]
+        Page ids, user after user, in token order.
+    kv_last_page_len : int32 [B]
+        Tokens in the user's last page (1..page_size); 0 when it has no cached prefix.
+    cu_seqlens_q : int32 [B+1]
+        Row offsets of each user's segment in ``q``.
+    num_candidates : int32 [B]
+        The last ``num_candidates[b]`` rows of user ``b``'s segment are candidates.
+    mode : {"softmax", "hstu"}
+    scale : float
+        softmax: logit scale (typically ``1/sqrt(D)``); hstu: ``alpha`` in ``SiLU(alpha * q.k + rab)``.
+    hstu_norm : float
+        hstu: the sum over keys is divided by this constant (the model's ``max_seq_len``), never by the row length.
+    pos_bias : Tensor [P], optional
+        hstu: bias by position distance ``q_pos - k_pos`` (clamped to ``P - 1``), shared across heads.
+    ts_bias : Tensor [NB], optional
+        hstu: bias by :func:`time_buckets` of ``t_q - t_k``, shared across heads. Needs ``ts_q`` and, when any user
+        has cached pages, ``ts_cache``.
+    ts_cache : LongTensor [num_pages, page_size], optional
+        Timestamps of the cached tokens, beside the pages.
+    ts_q : LongTensor [total_q], optional
+        Timestamps of the query rows (a candidate's is the request time).
+    backend : {"torch", "triton", "auto"}
+        ``"torch"``: the ``relaygr::paged_prefix_attention`` custom op (pure-torch reference, any device);
+        ``"triton"``: ``relaygr_engine.kernels.prefix_attention.prefix_attention``; ``"auto"``: Triton on CUDA/NPU
+        when it imports, torch otherwise.
+
+    Returns
+    -------
+    Tensor [total_q, H, D]
+        dtype of ``q``; accumulation in fp32.
+
+    Raises
+    ------
+    ValueError
+        On a bad shape, dtype (tables must be int32, timestamps int64), device, offset table or choice string.
+        Validation reads the small int tables on the host (one sync on GPU).
+    ImportError
+        ``backend="triton"`` when the Triton kernel module cannot be imported.
+    """
+    mode = parse_choice(AttentionMode, mode, "mode")
+    be = parse_choice(AttentionBackend, backend, "backend")
+    _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
+                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
+    be = _resolve_backend(be, q.device)
+    if mode is AttentionMode.SOFTMAX or ts_bias is None:
+        ts_cache = ts_q = None  # unused: keep them out of the kernels
+    if be is AttentionBackend.TRITON:  # the kernel takes dense rows (q/k/v are often views of one projection)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _triton_impl()(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
+                              num_candidates, mode=mode.value, scale=float(scale), hstu_norm=float(hstu_norm),
+                              pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q)
+    return torch.ops.relaygr.paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                                    cu_seqlens_q, num_candidates, mode.value, float(scale),
+                                                    float(hstu_norm), pos_bias, ts_bias, ts_cache, ts_q)
