@@ -7,9 +7,9 @@ all candidates computed) from the history length ``L`` and the candidate count `
 
 ``b * n`` is the per-token work (projections, MLPs), ``c * n**2`` the attention over the whole sequence and
 ``d * C * L`` the candidates' attention to the history beyond what ``n**2`` already covers. The coefficients are fit
-by non-negative least squares on measured points (:func:`calibrate`), so the prediction never decreases with
-``L`` or ``C``, which makes "the longest history the baseline can serve within the SLO" well defined
-(:meth:`LatencyModel.max_history_len`).
+by non-negative least squares on the relative error of measured points (:func:`calibrate`), so the prediction
+never decreases with ``L`` or ``C``, which makes "the longest history the baseline can serve within the SLO" well
+defined (:meth:`LatencyModel.max_history_len`).
 
 A profile is a small JSON file (``relaygr calibrate`` writes one) recording the device, the torch version, the model
 configuration, the measured points and the coefficients; ``LatencyModel.default("cpu")`` loads the profile that
@@ -65,7 +65,7 @@ def _features(L: np.ndarray, C: np.ndarray) -> np.ndarray:
 
 
 def fit_coefficients(points: Sequence[LatencyPoint]) -> tuple[float, float, float, float]:
-    """Non-negative least-squares fit of ``(a, b, c, d)`` to measured points.
+    """Non-negative least-squares fit of ``(a, b, c, d)`` to measured points, minimizing relative error.
 
     With four terms the exact non-negative solution is found by enumeration: the optimum is the unconstrained
     least-squares fit on its support, so every subset of terms whose columns are independent is solved and the
@@ -86,6 +86,10 @@ def fit_coefficients(points: Sequence[LatencyPoint]) -> tuple[float, float, floa
         raise ValueError("points must hold at least 1 measured point, got 0")
     X = _features([p.history_len for p in points], [p.num_candidates for p in points])
     y = np.array([p.ms for p in points], dtype=np.float64)
+    # Relative error: each row divided by its measurement, so a 2 ms point counts as much as a 100 ms one (the
+    # SLO threshold may sit anywhere on the grid). The floor keeps a ~0 ms point from taking all the weight.
+    w = 1.0 / np.maximum(y, max(1e-3 * float(y.max()), 1e-9))
+    X, y = X * w[:, None], y * w
     scale = np.abs(X).max(axis=0)
     scale[scale == 0] = 1.0
     Xs = X / scale  # column scaling keeps n**2 (~1e6) and 1 comparable for lstsq
@@ -173,21 +177,28 @@ class LatencyModel:
         C = _checks.count("num_candidates", num_candidates)
         if self.predict_ms(0, C) > budget:
             return -1
-        # In n = L + C: t = (a - d*C^2) + (b + d*C) * n + c * n^2, non-decreasing for n >= C.
+        # In n = L + C: t = (a - d*C^2) + (b + d*C) * n + c * n^2, non-decreasing for n >= C; solve t = budget.
         q0, q1, q2 = self.a - self.d * C * C - budget, self.b + self.d * C, self.c
         if q2 == 0.0 and q1 == 0.0:
             return None
-        if q2 == 0.0:
-            n = -q0 / q1
-        else:
-            n = (-q1 + math.sqrt(max(q1 * q1 - 4.0 * q2 * q0, 0.0))) / (2.0 * q2)
-        L = max(int(math.floor(n)) - C, 0)
-        # Settle float rounding at the boundary with exact checks.
-        while L > 0 and self.predict_ms(L, C) > budget:
-            L -= 1
-        while self.predict_ms(L + 1, C) <= budget:
-            L += 1
-        return L
+        # Cancellation-free root: n = -2 q0 / (q1 + sqrt(q1^2 - 4 q2 q0)).
+        disc = math.sqrt(max(q1 * q1 - 4.0 * q2 * q0, 0.0))
+        n = -2.0 * q0 / (q1 + disc) if q1 + disc > 0 else 0.0
+        if not math.isfinite(n):
+            return None
+        # The float root is only an estimate: bracket the exact boundary by galloping, then bisect.
+        fits = lambda L: self.predict_ms(L, C) <= budget  # noqa: E731
+        lo = min(max(int(math.floor(n)) - C, 0), 1 << 62)
+        step = 1
+        while lo > 0 and not fits(lo):
+            lo, step = max(lo - step, 0), step * 2
+        hi, step = lo + 1, 1
+        while fits(hi):
+            lo, hi, step = hi, hi + step, step * 2
+        while hi - lo > 1:  # fits(lo) and not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     # ------------------------------------------------------------------ fitting
     @classmethod
@@ -266,6 +277,9 @@ class LatencyModel:
         res = importlib.resources.files("relaygr_engine.data")
         target = res / f"latency_{kind}.json"
         if not target.is_file():
+            if kind == "cpu":
+                raise FileNotFoundError(f"the shipped CPU latency profile is missing ({target}); reinstall the "
+                                        "package or write one with `relaygr calibrate --device cpu`")
             if kind not in _warned_default:
                 _warned_default.add(kind)
                 _log.warning("no shipped latency profile for device %r; using the CPU profile "

@@ -1,0 +1,1 @@
+"""Package data: the shipped latency profiles (``latency_<device>.json``, written by ``relaygr calibrate``)."""
