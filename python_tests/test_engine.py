@@ -210,7 +210,7 @@ def test_ticket_ends_the_lease_and_expired_leases_are_counted():
     assert_exact(res, model, h.prefix(16), candidates(4))
     engine.rank_with_prefix(2, h.prefix(16), candidates(4), ticket=t2, now=201.0)  # presented twice
     s = engine.stats()
-    assert s["expired_leases"] == 1 and s["stale_tickets"] == 1 and s["hbm_hits"] == 3
+    assert s["expired_leases"] == 1 and s["late_tickets"] == 1 and s["stale_tickets"] == 1 and s["hbm_hits"] == 3
 
 
 class Decline:
@@ -221,6 +221,9 @@ class Decline:
         self.calls.append(kw)
         return type("Decision", (), dict(admit=False, reason=self.reason))()
 
+    def on_prefill_done(self, tokens, now=None):
+        raise AssertionError("a declined prefill never reports done")
+
 
 def test_trigger_decline_and_pool_refusals_fall_back_exactly():
     model = make_model()
@@ -229,8 +232,9 @@ def test_trigger_decline_and_pool_refusals_fall_back_exactly():
     engine = make_engine(model, trigger=trigger)
     t = engine.prefill_prefix(1, h.prefix(40))
     assert not t.admitted and t.reason == "trigger:busy" and t.expires_at is None
-    assert trigger.calls[0]["user_id"] == 1 and trigger.calls[0]["num_tokens"] == 40
-    assert trigger.calls[0]["cached_tokens"] == 0 and trigger.calls[0]["engine"] is engine
+    call = trigger.calls[0]
+    assert call["history_len"] == 40 and call["prefix_pages"] == 5 and call["num_candidates"] is None
+    assert call["pinned_pages"] == 0 and call["num_pages"] == engine.pool.num_pages and call["reserve"]
     assert engine.pool.entries_of(1) == []
     res = engine.rank_with_prefix(1, h, cands, ticket=t)
     assert res.source == "recompute"
@@ -296,7 +300,7 @@ def test_engine_constructor_checks():
     model = make_model()
     with pytest.raises(ValueError, match="model must be a GRRanker"):
         rg.RelayEngine(object(), rg.CacheConfig())
-    with pytest.raises(ValueError, match="trigger must be None or have a decide"):
+    with pytest.raises(ValueError, match="trigger must be None or have decide"):
         rg.RelayEngine(model, rg.CacheConfig(num_pages=8), trigger=object())
     engine = rg.RelayEngine(model, rg.CacheConfig(num_pages=8))
     assert engine.cache.kv[0].shape == (8, 2, 16, 2, 16) and "RelayEngine" in repr(engine)

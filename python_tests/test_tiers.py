@@ -1,13 +1,10 @@
 """HostKVTier (DRAM tier) and SingleFlight."""
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
-from relaygr_engine.tiers import DramEntry, HostKVTier, SingleFlight
+from relaygr_engine.tiers import DramEntry, HostKVTier, ReloadCostModel
 
 
 def _entry(user, fp, tokens, layers=2, heads=2, dim=4):
@@ -54,39 +51,12 @@ def test_bad_arguments():
             tier.put(e)
 
 
-def test_single_flight_runs_once_for_concurrent_callers():
-    flight = SingleFlight()
-    calls = []
-    gate = threading.Event()
-
-    def work():
-        calls.append(1)
-        assert gate.wait(30)
-        return "loaded"
-
-    results = []
-
-    def caller():
-        results.append(flight.do("user-7", work))
-
-    threads = [threading.Thread(target=caller) for _ in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while flight.callers("user-7") < 8 and time.monotonic() < deadline:
-        time.sleep(0.01)  # wait until every caller has joined the flight
-    assert flight.callers("user-7") == 8
-    gate.set()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1
-    assert sorted(r[1] for r in results) == [False] * 7 + [True]
-    assert all(r[0] == "loaded" for r in results)
-    assert flight.do("user-7", lambda: "again") == ("again", True)  # a finished flight does not linger
-
-
-def test_single_flight_propagates_errors():
-    flight = SingleFlight()
-    with pytest.raises(RuntimeError, match="boom"):
-        flight.do(1, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
-    assert flight.do(1, lambda: 5) == (5, True)
+def test_reload_cost_model_prefers_the_cheaper_path():
+    m = ReloadCostModel(alpha=1.0)
+    assert m.prefers_reload(100, 1 << 30)  # nothing measured yet: reload
+    m.observe_reload(1_000_000, 0.001)  # 1 GB/s
+    m.observe_recompute(1000, 0.010)  # 10 us per token
+    assert m.prefers_reload(tokens=1000, nbytes=1_000_000)  # 1 ms reload < 10 ms recompute
+    assert not m.prefers_reload(tokens=10, nbytes=1_000_000)  # 1 ms reload > 0.1 ms recompute
+    with pytest.raises(ValueError, match="alpha"):
+        ReloadCostModel(alpha=0)

@@ -120,6 +120,50 @@ class PagedKVCache:
         page_idx, slot_idx = self.slots(pages, 0, num_tokens)
         return self.timestamps[page_idx, slot_idx]
 
+    # ------------------------------------------------------------------ contiguous copies (spill / reload)
+    def _use_triton(self) -> bool:
+        if self.device.type not in ("cuda", "npu"):
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def pack(self, pages, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy an entry's pages of every layer into one contiguous buffer.
+
+        Returns
+        -------
+        Tensor [num_layers, 2, len(pages) * page_size, H, D]
+            ``out`` when given (it may live in pinned host memory: one device-to-host copy), else a new tensor on
+            the cache device. Triton's ``kv_pack`` on CUDA/NPU, a torch gather elsewhere.
+        """
+        p = _as_index("pages", pages, self.num_pages, self.device)
+        if self._use_triton():
+            from .kernels.kv_pack import kv_pack
+            return kv_pack(self.kv, p, out=out)
+        from .kernels.reference import kv_pack_ref
+        packed = kv_pack_ref(self.kv, p)
+        if out is None:
+            return packed
+        out.copy_(packed)
+        return out
+
+    def unpack(self, buffer: torch.Tensor, pages) -> None:
+        """Scatter a buffer made by :meth:`pack` (any device) into ``pages`` of every layer: one copy up."""
+        p = _as_index("pages", pages, self.num_pages, self.device)
+        shape = (self.num_layers, 2, p.numel() * self.page_size, self.num_heads, self.head_dim)
+        if tuple(buffer.shape) != shape or buffer.dtype != self.dtype:
+            raise ValueError(f"buffer must be {self.dtype} of shape {list(shape)}, got {buffer.dtype} "
+                             f"{list(buffer.shape)}")
+        if self._use_triton():
+            from .kernels.kv_pack import kv_unpack
+            kv_unpack(buffer, self.kv, p)
+            return
+        from .kernels.reference import kv_unpack_ref
+        kv_unpack_ref(buffer.to(self.device, non_blocking=buffer.is_pinned()), self.kv, p)
+
     def page_table(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``kv_indptr [B+1]``, ``kv_indices [nnz]``, ``kv_last_page_len [B]`` as int32 tensors on the device."""
         indptr, indices, last = self.pool.page_table(keys)

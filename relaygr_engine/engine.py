@@ -40,12 +40,26 @@ its lease (the entry stays cached, evictable in LRU order). With ``extend_on_ran
 tokens' KV computed while ranking is appended to the entry used (``pool.extend``, re-keyed to the longer prefix)
 when pages are available and no other lease holds the entry, so the user's next request reuses more.
 
-Trigger hook
-------------
-``trigger`` is None (admit every prefill the pool can take) or an object with
-``decide(*, user_id, num_tokens, cached_tokens, engine) -> decision``, where ``decision.admit`` (bool) and
-``decision.reason`` (str) say whether to pre-infer ``num_tokens`` history tokens of which ``cached_tokens`` are
-already cached. It is consulted before any page is taken; ``engine`` gives access to :meth:`RelayEngine.stats`.
+Trigger
+-------
+``trigger`` is None (admit every prefill the pool can take) or a
+:class:`~relaygr_engine.policy.trigger.SequenceAwareTrigger` (or any object with the same two methods). Before any
+page is taken, the engine calls ``decide(history_len=T, num_candidates=None, prefix_pages=ceil(T / page_size),
+pinned_pages=..., num_pages=..., now=t, reserve=True)``; ``decision.admit`` and ``decision.reason`` say whether to
+pre-infer. An admitted prefill is reported back with ``on_prefill_done(T, now=t)`` once it ends (stored, refused by
+the pool or failed), so the trigger's load bound counts only work in flight. The trigger's counters
+(``trigger_admits``, ``trigger_declines``, ...) appear in :meth:`RelayEngine.stats`.
+
+DRAM tier (memory-aware expander)
+---------------------------------
+With ``CacheConfig(dram_bytes > 0)`` the engine keeps a :class:`~relaygr_engine.tiers.HostKVTier`. An entry is
+spilled to it as one contiguous copy (:meth:`~relaygr_engine.cache.PagedKVCache.pack`) when it becomes evictable: after the ranking that
+read it, or when its pre-infer lease ends unused (checked at the start of every engine call, before anything could
+evict it). An entry already in DRAM under the same key is not copied again, and a user's spill replaces its older
+(shorter) DRAM entries. A ranking request whose longest matching prefix is only in DRAM reloads it into pages (one
+copy, :meth:`~relaygr_engine.cache.PagedKVCache.unpack`) when :class:`~relaygr_engine.tiers.ReloadCostModel` predicts that reloading is
+cheaper than recomputing; its result says ``source="dram"``. Engine calls are serialised, so concurrent rankings of
+one user cause one reload, and the later ones read the reloaded pages (``source="hbm"``).
 
 Thread safety: every public method holds one engine lock (the pool itself is also thread-safe).
 """
@@ -65,6 +79,7 @@ import torch
 from .cache import PagedKVCache
 from .config import CacheConfig
 from .models import Behaviors, GRRanker
+from .tiers import DramEntry, HostKVTier, ReloadCostModel
 
 __all__ = ["PrefixTicket", "RankRequest", "RankResult", "RelayEngine"]
 
@@ -127,8 +142,8 @@ class RankResult:
     ----------
     scores : Tensor [C, num_tasks]
     source : str
-        ``"hbm"`` (a prefix was reused from the device cache), ``"dram"`` (host tier; not yet used) or
-        ``"recompute"`` (nothing reusable was cached).
+        ``"hbm"`` (a prefix was reused from the device cache), ``"dram"`` (a prefix was reloaded from the host
+        DRAM tier) or ``"recompute"`` (nothing reusable was cached).
     cached_tokens : int
         History tokens read from the cache.
     computed_tokens : int
@@ -230,8 +245,9 @@ class RelayEngine:
             raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
         if not _same_device(model.device, torch.device(cache_config.device)):
             raise ValueError(f"model must be on the cache device {cache_config.device}, got {model.device}")
-        if trigger is not None and not callable(getattr(trigger, "decide", None)):
-            raise ValueError(f"trigger must be None or have a decide(...) method, got {type(trigger).__name__}")
+        if trigger is not None and not all(callable(getattr(trigger, m, None)) for m in ("decide", "on_prefill_done")):
+            raise ValueError(f"trigger must be None or have decide(...) and on_prefill_done(...) methods, got "
+                             f"{type(trigger).__name__}")
         cfg = model.config
         self.model = model
         self.config = cache_config
@@ -240,9 +256,14 @@ class RelayEngine:
         self.cache = PagedKVCache(cache_config, cfg.num_layers, cfg.num_heads, cfg.head_dim)
         self.pool = self.cache.pool
         self.page_size = self.cache.page_size
+        self.dram = (HostKVTier(cache_config.dram_bytes, pin_memory=self.cache.device.type == "cuda")
+                     if cache_config.dram_bytes > 0 else None)
+        self.expander = ReloadCostModel()
+        self._leased: dict[tuple[int, int], float] = {}  # admitted entries -> lease end, to spill unused ones
         self._lock = threading.RLock()
-        self._c = dict(rank_requests=0, hbm_hits=0, dram_hits=0, recomputes=0, cached_tokens=0,
-                       computed_tokens=0, candidates=0, extensions=0, expired_leases=0, stale_tickets=0,
+        self._c = dict(rank_requests=0, hbm_hits=0, dram_hits=0, recomputes=0, reloads=0, reload_bytes=0,
+                       reloads_declined_cost=0, reloads_refused=0, spills=0, spill_bytes=0, cached_tokens=0,
+                       computed_tokens=0, candidates=0, extensions=0, late_tickets=0, stale_tickets=0,
                        prefills=0, prefill_already_cached=0, prefill_declines=0, prefill_declines_trigger=0,
                        prefill_declines_budget=0, prefill_declines_pool_full=0, prefill_computed_tokens=0,
                        prefill_reused_tokens=0)
@@ -289,6 +310,7 @@ class RelayEngine:
             preps.append(self._prepare(item[0], item[1]))
         t = _clock(now)
         with self._lock, torch.inference_mode():
+            self._spill_expired(t)
             tickets: list[Optional[PrefixTicket]] = [None] * len(preps)
             jobs: list[_Job] = []
             pending: set[tuple[int, int]] = set()  # entries created or extended in this batch (KV not written yet)
@@ -305,8 +327,10 @@ class RelayEngine:
             except BaseException:
                 for job in jobs:
                     self._drop(job.key, t)
+                    self._prefill_done(job.prep, t)
                 raise
             for job in jobs:
+                self._prefill_done(job.prep, t)
                 p, fp = job.prep, job.key[1]
                 if job.start:  # extended an entry: lease it now (never refused while we hold a reference)
                     self.pool.lease(p.user_id, fp, self.config.lease_ttl_s, now=t)
@@ -314,6 +338,8 @@ class RelayEngine:
                 T = p.num_tokens
                 tickets[job.index] = PrefixTicket(True, "admitted", p.user_id, fp, T, t + self.config.lease_ttl_s,
                                                   cached_tokens=job.start, computed_tokens=T - job.start)
+                if self.dram is not None:
+                    self._leased[(p.user_id, fp)] = t + self.config.lease_ttl_s
                 self._c["prefills"] += 1
                 self._c["prefill_computed_tokens"] += T - job.start
                 self._c["prefill_reused_tokens"] += job.start
@@ -366,11 +392,24 @@ class RelayEngine:
             preps.append(self._prepare(r.user_id, r.history, r.candidates, r.request_time, r.ticket, rank=True))
         t = _clock(now)
         with self._lock, torch.inference_mode():
+            self._spill_expired(t)
             pins: dict[tuple[int, int], _Pin] = {}
+            reloaded: set[tuple[int, int]] = set()  # reloaded from DRAM in this call, first reader not yet served
             jobs = []
             try:
                 for p in preps:
                     match = self._match(p, p.num_tokens)
+                    if self.dram is not None:
+                        dram = self._match(p, p.num_tokens, entries=self.dram.entries_of(p.user_id))
+                        if dram is not None and (match is None or dram[1] > match[1]):
+                            key = (p.user_id, dram[0])
+                            if key not in pins:
+                                pages = self._reload(key, dram[1], t)
+                                if pages is not None:
+                                    pins[key] = _Pin(key, pages, dram[1])
+                                    reloaded.add(key)
+                            if key in pins:
+                                match = dram
                     if match is None:
                         jobs.append(_Job(p, 0, None, p.candidates))
                         continue
@@ -384,10 +423,13 @@ class RelayEngine:
                 results = []
                 for job, (scores, _) in zip(jobs, outs):
                     T, C = job.prep.num_tokens, job.candidates.numel()
-                    hit = job.key is not None
-                    results.append(RankResult(scores, "hbm" if hit else "recompute", job.start, T - job.start + C))
+                    source = "recompute" if job.key is None else "hbm"
+                    if job.key in reloaded:
+                        source = "dram"
+                        reloaded.discard(job.key)
+                    results.append(RankResult(scores, source, job.start, T - job.start + C))
                     self._c["rank_requests"] += 1
-                    self._c["hbm_hits" if hit else "recomputes"] += 1
+                    self._c[f"{source}_hits" if source != "recompute" else "recomputes"] += 1
                     self._c["cached_tokens"] += job.start
                     self._c["computed_tokens"] += T - job.start + C
                     self._c["candidates"] += C
@@ -396,6 +438,7 @@ class RelayEngine:
                     tk = p.ticket
                     if tk is not None and tk.admitted and (tk.user_id, tk.fingerprint) not in ended:
                         ended.add((tk.user_id, tk.fingerprint))
+                        self._leased.pop((tk.user_id, tk.fingerprint), None)
                         self._end_lease(tk, t)
                 if self.extend_on_rank:
                     for pin in pins.values():
@@ -405,6 +448,9 @@ class RelayEngine:
                     self.pool.unpin(*pin.key, now=t)
                     if pin.broken:
                         self._drop(pin.key, t, unpin=False)
+            for pin in pins.values():  # now evictable unless another ticket's lease holds it: keep a DRAM copy
+                if self.dram is not None and not self.pool.has_lease(*pin.key, now=t):
+                    self._spill(pin.key, t)
             return results
 
     def match_length(self, user_id: int, history: Behaviors) -> int:
@@ -420,10 +466,12 @@ class RelayEngine:
     def stats(self) -> dict[str, int]:
         """Counters as a flat dict: the engine's, ``evictions``, and every pool stat prefixed ``pool_``.
 
-        ``hbm_hits``/``recomputes``: ranking requests that reused a cached prefix / computed from scratch
-        (``dram_hits`` is 0 until the host tier exists); ``cached_tokens``/``computed_tokens``: history tokens read
-        / rows computed while ranking; ``extensions``: entries extended after ranking; ``expired_leases``: tickets
-        presented after their lease had expired; ``stale_tickets``: tickets whose entry was gone, re-keyed or
+        ``hbm_hits``/``dram_hits``/``recomputes``: ranking requests that reused a prefix from device memory /
+        reloaded it from the DRAM tier / computed from scratch; ``reloads``/``spills`` (and ``*_bytes``): copies
+        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper);
+        ``trigger_*``: the trigger's decisions when one is set; ``cached_tokens``/``computed_tokens``: history tokens read
+        / rows computed while ranking; ``extensions``: entries extended after ranking; ``expired_leases``: pre-infer
+        leases that ran out before their ranking came; ``late_tickets``: tickets presented after that; ``stale_tickets``: tickets whose entry was gone, re-keyed or
         whose lease was already ended; ``prefills``: admitted pre-inferences that computed KV;
         ``prefill_declines`` (and by cause): not admitted.
         """
@@ -432,6 +480,13 @@ class RelayEngine:
             pool = self.pool.stats()
             s["evictions"] = int(pool["evictions"])
             s.update({f"pool_{k}": int(v) for k, v in pool.items()})
+            s["expired_leases"] = int(pool["expirations"])
+            if self.dram is not None:
+                s.update(self.dram.stats())
+            if self.trigger is not None and callable(getattr(self.trigger, "stats", None)):
+                s.update({k: v for k, v in self.trigger.stats(now=None).items() if isinstance(v, int)})
+            s.setdefault("trigger_admits", 0)
+            s.setdefault("trigger_declines", 0)
             return s
 
     # ------------------------------------------------------------------------------------------ validation
@@ -464,10 +519,14 @@ class RelayEngine:
     def _fingerprint(self, p: _Prep, n: int) -> int:
         return self._fingerprints(p, [n])[n]
 
-    def _match(self, p: _Prep, max_tokens: int, skip=()) -> Optional[tuple[int, int]]:
-        """The longest cached ``(fingerprint, num_tokens)`` of the user that is exactly ``p``'s first tokens."""
-        entries = [(fp, n) for fp, n in self.pool.entries_of(p.user_id)
-                   if n <= max_tokens and (p.user_id, fp) not in skip]
+    def _match(self, p: _Prep, max_tokens: int, skip=(), entries=None) -> Optional[tuple[int, int]]:
+        """The longest cached ``(fingerprint, num_tokens)`` of the user that is exactly ``p``'s first tokens.
+
+        ``entries`` (default: the pool's entries of the user) lists the candidates, e.g. the DRAM tier's.
+        """
+        if entries is None:
+            entries = self.pool.entries_of(p.user_id)
+        entries = [(fp, n) for fp, n in entries if n <= max_tokens and (p.user_id, fp) not in skip]
         if not entries:
             return None
         fps = self._fingerprints(p, [n for _, n in entries])
@@ -485,12 +544,16 @@ class RelayEngine:
         if self.pool.lookup(u, fp) is not None:
             if self.pool.lease(u, fp, ttl, now=t):
                 self._c["prefill_already_cached"] += 1
+                if self.dram is not None:
+                    self._leased[(u, fp)] = t + ttl
                 return PrefixTicket(True, "already_cached", u, fp, T, t + ttl, cached_tokens=T), None
             return self._decline(p, fp, "pool_full"), None
         match = self._match(p, T - 1, skip=pending)
         start = 0 if match is None else match[1]
         if self.trigger is not None:
-            d = self.trigger.decide(user_id=u, num_tokens=T, cached_tokens=start, engine=self)
+            d = self.trigger.decide(history_len=T, num_candidates=None, prefix_pages=-(-T // self.page_size),
+                                    pinned_pages=self.pool.num_pinned_pages, num_pages=self.pool.num_pages,
+                                    now=t, reserve=True)
             if not d.admit:
                 return self._decline(p, fp, f"trigger:{d.reason}"), None
         if match is None:
@@ -501,9 +564,15 @@ class RelayEngine:
             if pages is None:
                 self.pool.unpin(u, match[0], now=t)
         if pages is None:
+            self._prefill_done(p, t)
             too_big = -(-T // self.page_size) > self.pool.max_pinned_pages
             return self._decline(p, fp, "budget" if too_big else "pool_full"), None
         return None, _Job(p, start, pages, None, key=(u, fp))
+
+    def _prefill_done(self, p: _Prep, t: float) -> None:
+        """Tell the trigger that an admitted prefill ended (its load bound counts work in flight)."""
+        if self.trigger is not None:
+            self.trigger.on_prefill_done(p.num_tokens, now=t)
 
     def _decline(self, p: _Prep, fp: int, reason: str) -> PrefixTicket:
         self._c["prefill_declines"] += 1
@@ -532,7 +601,7 @@ class RelayEngine:
             self._c["stale_tickets"] += 1
             return
         if not live:
-            self._c["expired_leases"] += 1
+            self._c["late_tickets"] += 1
 
     def _extend_after_rank(self, pin: _Pin, uses: list, t: float) -> None:
         """Append the new history KV of the longest request that read ``pin`` to its entry."""
@@ -555,6 +624,59 @@ class RelayEngine:
             raise
         self._c["extensions"] += 1
 
+    # ------------------------------------------------------------------------------------------ DRAM tier
+    def _spill(self, key: tuple[int, int], t: float) -> None:
+        """Copy an entry to the DRAM tier as one contiguous buffer, unless DRAM already holds this key."""
+        num_tokens = self.pool.lookup(*key)
+        if num_tokens is None or key in self.dram:
+            return
+        pages = self.pool.pages_of(*key)
+        c = self.cache
+        buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
+        c.pack(pages, out=buf)
+        entry = DramEntry(key[0], key[1], num_tokens, buf, c.gather_timestamps(pages, num_tokens).cpu())
+        if self.cache.device.type == "cuda":
+            torch.cuda.current_stream(self.cache.device).synchronize()  # the buffer is complete before reuse
+        for fp, _ in self.dram.entries_of(key[0]):  # superseded by the longer prefix of the same user
+            self.dram.discard(key[0], fp)
+        if self.dram.put(entry):
+            self._c["spills"] += 1
+            self._c["spill_bytes"] += entry.nbytes
+
+    def _spill_expired(self, t: float) -> None:
+        """Spill entries whose pre-infer lease has ended unused (before any insert could evict them)."""
+        for key, end in list(self._leased.items()):
+            if end <= t:
+                del self._leased[key]
+                if self.pool.lookup(*key) is not None and not self.pool.has_lease(*key, now=t):
+                    self._spill(key, t)
+
+    def _reload(self, key: tuple[int, int], num_tokens: int, t: float) -> Optional[np.ndarray]:
+        """Copy a DRAM entry back into pool pages (returned pinned by one reference), or None to recompute."""
+        entry = self.dram.get(*key)
+        if entry is None:
+            return None
+        if not self.expander.prefers_reload(num_tokens, entry.nbytes):
+            self._c["reloads_declined_cost"] += 1
+            return None
+        pages = self.pool.insert(key[0], key[1], num_tokens, now=t)
+        if pages is None:
+            self._c["reloads_refused"] += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            self.cache.unpack(entry.kv, pages)
+            self.cache.write_timestamps(pages, entry.timestamps)
+            if self.cache.device.type == "cuda":
+                torch.cuda.current_stream(self.cache.device).synchronize()
+        except BaseException:
+            self._drop(key, t)
+            raise
+        self.expander.observe_reload(entry.nbytes, time.perf_counter() - t0)
+        self._c["reloads"] += 1
+        self._c["reload_bytes"] += entry.nbytes
+        return pages
+
     # ------------------------------------------------------------------------------------------ compute
     def _write(self, pages: np.ndarray, p: _Prep, start: int, kv) -> None:
         """Store the KV (and timestamps) of history tokens ``start..T-1`` of ``p`` in ``pages``."""
@@ -574,11 +696,16 @@ class RelayEngine:
         ``[T - start, H, D]`` of its history rows.
         """
         out: list = [None] * len(jobs)
+        t0 = time.perf_counter()
+        rows = sum(j.prep.num_tokens - j.start + (0 if j.candidates is None else j.candidates.numel()) for j in jobs)
         for timed in (False, True):
             group = [i for i, j in enumerate(jobs) if (j.prep.history.timestamps is not None) == timed]
             if group:
                 for i, res in zip(group, self._forward_group([jobs[i] for i in group], timed)):
                     out[i] = res
+        if self.cache.device.type == "cuda":
+            torch.cuda.current_stream(self.cache.device).synchronize()
+        self.expander.observe_recompute(rows, time.perf_counter() - t0)
         return out
 
     def _forward_group(self, jobs: list[_Job], timed: bool):

@@ -10,14 +10,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, TypeVar
+from typing import Optional
 
 import torch
 
-__all__ = ["DramEntry", "HostKVTier", "SingleFlight"]
-
-T = TypeVar("T")
-
+__all__ = ["DramEntry", "HostKVTier", "ReloadCostModel"]
 
 @dataclass(frozen=True)
 class DramEntry:
@@ -134,55 +131,41 @@ class HostKVTier:
                         dram_capacity_bytes=self.capacity_bytes)
 
 
-class SingleFlight:
-    """Run one call per key at a time; concurrent callers of the same key wait and share its result.
+class ReloadCostModel:
+    """Decides reload-from-DRAM vs recompute from costs measured online on this engine.
 
-    Used so that N concurrent rankings of a user whose prefix is only in DRAM cause exactly one reload.
+    Reload time is predicted as ``bytes / reload_bytes_per_s`` and recompute time as
+    ``tokens * recompute_s_per_token``, each an exponentially weighted average of the engine's own measurements
+    (reloads it did; forward passes it ran). Until both have been measured, reloading is preferred. The per-token
+    recompute cost is averaged over the engine's actual forwards, so for prefixes much longer than typical it
+    under-predicts recompute (attention grows quadratically), which errs toward recomputing.
+
+    Parameters
+    ----------
+    alpha : float
+        Weight of each new measurement in (0, 1].
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: dict[Hashable, "_Call"] = {}
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = alpha
+        self.reload_bytes_per_s: Optional[float] = None
+        self.recompute_s_per_token: Optional[float] = None
 
-    def do(self, key: Hashable, fn: Callable[[], T]) -> tuple[T, bool]:
-        """Return ``(fn's result, True)`` for the caller that ran it, ``(shared result, False)`` for waiters.
+    def _mix(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
-        An exception raised by ``fn`` reaches every caller of that flight.
-        """
-        with self._lock:
-            call = self._calls.get(key)
-            leader = call is None
-            if leader:
-                call = self._calls[key] = _Call()
-            call.callers += 1
-        if not leader:
-            call.done.wait()
-            if call.error is not None:
-                raise call.error
-            return call.value, False
-        try:
-            call.value = fn()
-        except BaseException as exc:
-            call.error = exc
-            raise
-        finally:
-            with self._lock:
-                del self._calls[key]
-            call.done.set()
-        return call.value, True
+    def observe_reload(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.reload_bytes_per_s = self._mix(self.reload_bytes_per_s, nbytes / seconds)
 
-    def callers(self, key: Hashable) -> int:
-        """How many callers are attached to the flight of ``key`` now (0 when none runs)."""
-        with self._lock:
-            call = self._calls.get(key)
-            return 0 if call is None else call.callers
+    def observe_recompute(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.recompute_s_per_token = self._mix(self.recompute_s_per_token, seconds / tokens)
 
-
-class _Call:
-    __slots__ = ("done", "value", "error", "callers")
-
-    def __init__(self) -> None:
-        self.callers = 0
-        self.done = threading.Event()
-        self.value = None
-        self.error: Optional[BaseException] = None
+    def prefers_reload(self, tokens: int, nbytes: int) -> bool:
+        """True when reloading ``nbytes`` is predicted faster than recomputing ``tokens`` tokens."""
+        if self.reload_bytes_per_s is None or self.recompute_s_per_token is None:
+            return True
+        return nbytes / self.reload_bytes_per_s < tokens * self.recompute_s_per_token
