@@ -24,6 +24,11 @@ _EXPORTS = {
     "RankRequest": ".engine",
     "RankResult": ".engine",
     "paged_prefix_attention": ".ops",
+    "SequenceAwareTrigger": ".policy",
+    "TriggerConfig": ".policy",
+    "LatencyModel": ".policy",
+    "AffinityRouter": ".policy",
+    "HostKVTier": ".tiers",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
