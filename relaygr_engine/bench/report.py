@@ -1,0 +1,435 @@
+"""Latency statistics, SLO searches, and the Markdown/JSON/PNG report of the SLO benchmark.
+
+Percentiles use the nearest-rank definition: ``P_q`` of ``n`` samples is the ``ceil(q/100 * n)``-th smallest, so it
+is always a measured value and ``P99`` of 100 samples is the 99th smallest (exactly 1% of samples lie above it).
+
+:func:`search_max` finds the largest ``x`` (a QPS, a history length) whose evaluation passes (``P99 <= SLO``):
+
+1. **sweep**: from ``start`` multiply by ``factor`` while points pass (or divide while they fail) until a pass/fail
+   bracket is found, or the range ``[lo, hi]`` ends (status ``"capped"``: even ``hi`` passes; ``"none"``: even
+   ``lo`` fails);
+2. **bisection** of the bracket until ``fail - pass <= rel_tol * pass`` (or ``step`` for integers).
+
+Every returned value is a measured passing point with a measured failing point above it within the tolerance. The
+search assumes latency grows with the searched quantity; timing noise can break that locally, and the bracket then
+still holds a measured pass and a measured fail.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["percentile", "latency_summary", "SearchResult", "search_max", "search_steps", "search_lockstep",
+           "slo_throughput", "result_line",
+           "render_markdown", "plot_latency_vs_qps", "plot_max_len", "write_report"]
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile: the ``ceil(q/100 * n)``-th smallest of ``values`` (``q`` in (0, 100]).
+
+    Raises ValueError for an empty input or ``q`` outside (0, 100].
+    """
+    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    if x.size == 0:
+        raise ValueError("percentile of an empty sample")
+    if not (isinstance(q, (int, float)) and 0 < q <= 100):
+        raise ValueError(f"q must be in (0, 100], got {q!r}")
+    k = max(1, math.ceil(q / 100.0 * x.size - 1e-9))
+    return float(x[k - 1])
+
+
+def latency_summary(latency_s) -> dict:
+    """``n``, ``mean_ms``, ``p50_ms``, ``p90_ms``, ``p99_ms``, ``max_ms`` of latencies given in seconds."""
+    x = np.asarray(latency_s, dtype=np.float64) * 1e3
+    return {"n": int(x.size), "mean_ms": float(x.mean()), "p50_ms": percentile(x, 50), "p90_ms": percentile(x, 90),
+            "p99_ms": percentile(x, 99), "max_ms": float(x.max())}
+
+
+# ----------------------------------------------------------------------------------------------- searches
+@dataclass
+class SearchResult:
+    """Outcome of :func:`search_max`.
+
+    Attributes
+    ----------
+    best : float or None
+        Largest measured passing value (None when even ``lo`` fails).
+    first_fail : float or None
+        Smallest measured failing value above ``best`` (None when even ``hi`` passes).
+    status : {"ok", "capped", "none", "budget"}
+        ``"budget"``: ``max_evals`` ran out during the sweep, before a bracket was found.
+    points : list of (x, passed, payload)
+        Every evaluation, in evaluation order.
+    """
+
+    best: Optional[float]
+    first_fail: Optional[float]
+    status: str
+    points: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"best": self.best, "first_fail": self.first_fail, "status": self.status,
+                "evaluated": [x for x, _, _ in self.points], "passed": [bool(p) for _, p, _ in self.points]}
+
+
+def search_max(evaluate: Callable[[float], tuple[bool, Any]], start: float, *, lo: float, hi: float,
+               factor: float = 2.0, rel_tol: float = 0.05, integer: bool = False, step: int = 1,
+               max_evals: int = 40) -> SearchResult:
+    """Largest ``x`` in ``[lo, hi]`` with ``evaluate(x)[0]`` true: a geometric sweep, then bisection.
+
+    Parameters
+    ----------
+    evaluate : callable
+        ``x -> (passed, payload)``; called at most once per distinct ``x``.
+    start, lo, hi, factor, rel_tol, integer, step, max_evals
+        See :func:`search_steps`.
+    """
+    return search_lockstep({"": (search_steps(start, lo=lo, hi=hi, factor=factor, rel_tol=rel_tol,
+                                              integer=integer, step=step, max_evals=max_evals), evaluate)})[""]
+
+
+def search_lockstep(tasks: dict) -> dict:
+    """Run several :func:`search_steps` searches with one evaluation of each in turn.
+
+    ``tasks`` maps a name to ``(search_steps generator, evaluate)``. Interleaving spreads slow drift of a shared
+    machine over every search instead of biasing the one that happened to run during a busy period.
+    Returns the :class:`SearchResult` of each name.
+    """
+    pending = {}
+    results = {}
+    for name, (gen, evaluate) in tasks.items():
+        try:
+            pending[name] = (gen, evaluate, next(gen))
+        except StopIteration as e:  # pragma: no cover - a search always evaluates its start
+            results[name] = e.value
+    while pending:
+        for name in list(pending):
+            gen, evaluate, x = pending[name]
+            try:
+                pending[name] = (gen, evaluate, gen.send(evaluate(x)))
+            except StopIteration as e:
+                results[name] = e.value
+                del pending[name]
+    return results
+
+
+def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel_tol: float = 0.05,
+                 integer: bool = False, step: int = 1, max_evals: int = 40):
+    """The search of :func:`search_max` as a generator: yields each ``x`` to evaluate, receives
+    ``(passed, payload)``, and returns the :class:`SearchResult` (``StopIteration.value``).
+
+    Parameters
+    ----------
+    start : float
+        First point (clamped into ``[lo, hi]``).
+    lo, hi : float
+        Search range, ``0 < lo <= hi``.
+    factor : float
+        Sweep growth factor (> 1).
+    rel_tol : float
+        Bisection stops when ``fail - pass <= rel_tol * pass`` (> 0; real-valued searches).
+    integer : bool
+        Search multiples of ``step`` only; bisection stops when ``fail - pass <= step``.
+    max_evals : int
+        Hard bound on evaluations; the bracket found so far is returned.
+    """
+    if not (0 < lo <= hi):
+        raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
+    if not factor > 1:
+        raise ValueError(f"factor must be > 1, got {factor!r}")
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be > 0, got {rel_tol!r}")
+    if integer and (not isinstance(step, int) or step < 1):
+        raise ValueError(f"step must be an integer >= 1, got {step!r}")
+
+    def snap(x: float) -> float:
+        x = min(max(x, lo), hi)
+        if integer:
+            x = max(step, int(round(x / step)) * step)
+            x = min(x, int(hi // step) * step) if hi >= step else x
+        return x
+
+    points: list = []
+    memo: dict[float, bool] = {}
+
+    def ok(x: float):
+        if x not in memo:
+            passed, payload = yield x
+            memo[x] = bool(passed)
+            points.append((x, bool(passed), payload))
+        return memo[x]
+
+    x = snap(start)
+    if (yield from ok(x)):
+        good = x
+        while True:
+            nx = snap(x * factor)
+            if nx <= x:
+                return SearchResult(good, None, "capped", points)
+            if len(points) >= max_evals:
+                return SearchResult(good, None, "budget", points)
+            if (yield from ok(nx)):
+                good = x = nx
+            else:
+                bad = nx
+                break
+    else:
+        bad = x
+        while True:
+            nx = snap(x / factor)
+            if nx >= x:
+                return SearchResult(None, bad, "none", points)
+            if len(points) >= max_evals:
+                return SearchResult(None, bad, "budget", points)
+            if (yield from ok(nx)):
+                good = nx
+                break
+            bad = x = nx
+    while len(points) < max_evals:
+        if integer:
+            if bad - good <= step:
+                break
+            mid = snap(good + (bad - good) / 2)
+            if mid <= good or mid >= bad:
+                break
+        else:
+            if bad - good <= rel_tol * good:
+                break
+            mid = 0.5 * (good + bad)
+        if (yield from ok(mid)):
+            good = mid
+        else:
+            bad = mid
+    return SearchResult(good, bad, "ok", points)
+
+
+def slo_throughput(p99_ms_at: Callable[[float], tuple[float, Any]], slo_ms: float, start_qps: float, *,
+                   lo: float, hi: float, factor: float = 1.6, rel_tol: float = 0.05,
+                   max_evals: int = 30) -> SearchResult:
+    """Highest QPS whose P99 latency is within ``slo_ms`` (:func:`search_max` over QPS).
+
+    ``p99_ms_at(qps) -> (p99_ms, payload)``; each point's payload is stored as ``(p99_ms, payload)``.
+    """
+    def evaluate(q: float):
+        p99, payload = p99_ms_at(q)
+        return p99 <= slo_ms, (p99, payload)
+
+    return search_max(evaluate, start_qps, lo=lo, hi=hi, factor=factor, rel_tol=rel_tol, max_evals=max_evals)
+
+
+# ----------------------------------------------------------------------------------------------- output
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        if not math.isfinite(v):
+            return "nan"
+        return f"{float(v):.4g}"
+    return str(v)
+
+
+def result_line(values: dict) -> str:
+    """``RESULT k=v k=v ...`` with floats to 4 significant digits (None -> nan)."""
+    return "RESULT " + " ".join(f"{k}={_fmt(float('nan') if v is None else v)}" for k, v in values.items())
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def render_markdown(report: dict) -> str:
+    """The Markdown report of a :mod:`relaygr_engine.bench.slo` run (``report`` is its JSON dict)."""
+    s = report["setup"]
+    modes = report["modes"]
+    lines = [f"# {report.get('title', 'Relay-race vs full inference under a P99 SLO')}", ""]
+    lines += [f"Generated {report.get('created', '')}. SLO: P99 ranking latency <= **{s['slo_ms']:g} ms**.", ""]
+    lines += ["## Headline", "", report.get("headline", ""), ""]
+    rows = []
+    for m, r in modes.items():
+        ml = r.get("max_len", {})
+        ref = r.get("at_ref", {})
+        rows.append([m, _fmt(r["slo_throughput"]["best"]) + (" (capped)" if r["slo_throughput"]["status"] == "capped"
+                                                             else ""),
+                     _fmt(ml.get("best")) + (" (capped)" if ml.get("status") == "capped" else ""),
+                     ref.get("p50_ms"), ref.get("p99_ms")])
+    lines += [_table(["mode", "SLO-compliant QPS", f"max history @ {_fmt(s.get('ref_qps'))} QPS",
+                      "P50 ms @ ref", "P99 ms @ ref"], rows), ""]
+    lines += ["## Setup", ""]
+    for k in ("device", "torch", "threads", "load_average", "model", "cache", "trigger", "workload_source", "length",
+              "requests", "candidates", "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick"):
+        if k in s:
+            lines.append(f"- **{k}**: {_fmt(s[k]) if not isinstance(s[k], (dict, list)) else json.dumps(s[k])}")
+    wl = s.get("workload", {})
+    if wl:
+        lines.append("- **served stream**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in wl.items()
+                                                     if not isinstance(v, (dict, list))))
+    lines += ["", "## Method", "", report.get("method", ""), ""]
+    lines += ["## Latency vs QPS", "", "![latency vs QPS](latency_vs_qps.png)", ""]
+    for m, r in modes.items():
+        lines += [f"### {m}", ""]
+        rows = [[p["qps"], p["p50_ms"], _p99(p), p["mean_ms"], p.get("utilization"), p.get("work_ms_per_request"),
+                 _sources(p.get("sources", {})), _prefill(p.get("prefill", {}))] for p in r["curve"]]
+        lines += [_table(["QPS", "P50 ms", "P99 ms", "mean ms", "busy share", "worker ms / request",
+                          "ranking sources", "pre-infers"], rows), "",
+                  "(worker ms / request: all worker time, rankings and pre-infers, per served ranking request)", ""]
+        st = r["slo_throughput"]
+        lines += [f"SLO-compliant throughput: **{_fmt(st['best'])} QPS** ({st['status']}; first failing QPS "
+                  f"{_fmt(st['first_fail'])}).", ""]
+    lines += ["## Longest history within the SLO", "", "![max history](max_len.png)", ""]
+    for m, r in modes.items():
+        ml = r.get("max_len")
+        if not ml:
+            continue
+        rows = [[p["length"], p["p50_ms"], _p99(p), _sources(p.get("sources", {}))] for p in ml["curve"]]
+        lines += [f"### {m}", "", _table(["base length", "P50 ms", "P99 ms", "ranking sources"], rows), "",
+                  f"Longest base history length with P99 <= SLO at {_fmt(s.get('ref_qps'))} QPS: "
+                  f"**{_fmt(ml['best'])}** ({ml['status']}; first failing {_fmt(ml['first_fail'])}).", ""]
+    lines += ["## Cache tiers and trigger at the reference QPS", ""]
+    for m, r in modes.items():
+        ref = r.get("at_ref", {})
+        if not ref:
+            continue
+        lines += [f"### {m}", "", f"- ranking sources: {_sources(ref.get('sources', {}))}",
+                  f"- hit rates: {json.dumps(ref.get('hit_rates', {}))}",
+                  f"- pre-infers: {_prefill(ref.get('prefill', {}))}"]
+        es = ref.get("engine_stats", {})
+        if es:
+            lines.append("- engine stats: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(es.items())))
+        lines.append("")
+    if report.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    lines += ["```", report.get("result_line", ""), "```", ""]
+    return "\n".join(lines)
+
+
+def _p99(p: dict) -> str:
+    """P99 cell: a run stopped once P99 > SLO was certain shows its partial P99 as a lower bound."""
+    if p.get("stopped_early"):
+        return f">= {_fmt(p['p99_ms'])} (stopped at {p.get('completed')}/{p.get('num_requests')})"
+    return _fmt(p["p99_ms"])
+
+
+def _sources(src: dict) -> str:
+    tot = sum(src.values()) or 1
+    return ", ".join(f"{k} {v / tot:.0%}" for k, v in sorted(src.items())) or "-"
+
+
+def _prefill(pf: dict) -> str:
+    if not pf or not pf.get("signals"):
+        return "-"
+    refused = pf.get("refused", {})
+    ref = (" (" + ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) + ")") if refused else ""
+    return (f"{pf.get('signals', 0)} signals: {pf.get('admitted', 0)} cached, "
+            f"{sum(refused.values())} declined{ref}, {pf.get('dropped_stale', 0)} dropped stale")
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_latency_vs_qps(modes: dict, slo_ms: float, path) -> Path:
+    """P50 (dashed) and P99 (solid) ranking latency vs QPS per mode, with the SLO line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for i, (m, r) in enumerate(modes.items()):
+        pts = sorted(r["curve"], key=lambda p: p["qps"])
+        q = [p["qps"] for p in pts]
+        color = f"C{i}"
+        ax.plot(q, [p["p99_ms"] for p in pts], "-", color=color, label=f"{m} P99")
+        full = [p for p in pts if not p.get("stopped_early")]
+        part = [p for p in pts if p.get("stopped_early")]
+        ax.plot([p["qps"] for p in full], [p["p99_ms"] for p in full], "o", color=color)
+        if part:
+            ax.plot([p["qps"] for p in part], [p["p99_ms"] for p in part], "o", mfc="none", color=color,
+                    label=f"{m} P99 lower bound (run stopped)")
+        ax.plot(q, [p["p50_ms"] for p in pts], "x--", color=color, alpha=0.6, label=f"{m} P50")
+        best = r["slo_throughput"]["best"]
+        if best:
+            ax.axvline(best, color=color, lw=0.8, ls=":")
+    ax.axhline(slo_ms, color="k", lw=1, ls="-.", label=f"SLO {slo_ms:g} ms")
+    ax.set_xlabel("offered load (QPS)")
+    ax.set_ylabel("ranking latency (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Ranking latency vs load (dotted: SLO-compliant throughput)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_max_len(modes: dict, ref_qps: float, path) -> Path:
+    """Bars of the longest base history length within the SLO per mode."""
+    plt = _pyplot()
+    names = [m for m, r in modes.items() if r.get("max_len")]
+    vals = [modes[m]["max_len"]["best"] or 0 for m in names]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+    for b, m in zip(bars, names):
+        tag = " (capped)" if modes[m]["max_len"]["status"] == "capped" else ""
+        ax.annotate(f"{int(b.get_height())}{tag}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("history tokens")
+    ax.set_title(f"Longest history with P99 <= SLO at {ref_qps:.3g} QPS")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict, out_dir, json_path: Optional[str] = None) -> dict:
+    """Write ``report.json``, ``report.md``, ``latency_vs_qps.png`` and ``max_len.png`` into ``out_dir``.
+
+    ``json_path`` also writes the JSON there. Returns the written paths by name.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    paths["latency_plot"] = plot_latency_vs_qps(report["modes"], report["setup"]["slo_ms"],
+                                                out / "latency_vs_qps.png")
+    if any(r.get("max_len") for r in report["modes"].values()):
+        paths["max_len_plot"] = plot_max_len(report["modes"], report["setup"].get("ref_qps") or 0.0,
+                                             out / "max_len.png")
+    text = json.dumps(_jsonable(report), indent=1)
+    paths["json"].write_text(text + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
+        paths["json_copy"] = Path(json_path)
+    paths["markdown"].write_text(render_markdown(report))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, os.PathLike):
+        return str(x)
+    return x
