@@ -117,6 +117,8 @@ class PrefixBlockPool:
         self._page_size = _count("page_size", page_size, 1)
         if self._num_pages >= 1 << 31:
             raise ValueError(f"num_pages must be < 2**31 (page ids are int32), got {self._num_pages}")
+        if self._page_size >= 1 << 31:
+            raise ValueError(f"page_size must be < 2**31 (kv_last_page_len is int32), got {self._page_size}")
         if max_pinned_pages is None:
             max_pinned_pages = self._num_pages
         self._max_pinned = _count("max_pinned_pages", max_pinned_pages, 1)
