@@ -1,0 +1,65 @@
+"""The ``relaygr`` command line and smoke runs of the cheap benchmarks (each must end with a RESULT line)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+from relaygr_engine import cli
+from relaygr_engine._ext import EXTENSION_LOADED
+
+
+def last_line(capsys) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def parse_result(line: str) -> dict[str, str]:
+    assert line.startswith("RESULT "), line
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    r = parse_result(last_line(capsys))
+    assert r["extension_loaded"] == str(int(EXTENSION_LOADED))
+
+
+def test_usage_and_unknown_commands(capsys):
+    assert cli.main([]) == 0
+    assert "relaygr bench NAME" in capsys.readouterr().out
+    assert cli.main(["bogus"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert cli.main(["bench", "nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert "pool" in err and "rank" in err and "tiers" in err
+
+
+def test_bench_pool_smoke(tmp_path, capsys):
+    path = tmp_path / "pool.json"
+    assert cli.main(["bench", "pool", "--quick", "--json", str(path)]) == 0
+    r = parse_result(last_line(capsys))
+    assert float(r["py_ops_per_s"]) > 0
+    if EXTENSION_LOADED:
+        assert float(r["cpp_ops_per_s"]) > 0 and float(r["speedup"]) > 0
+    data = json.loads(path.read_text())
+    assert data["result"]["py_ops_per_s"] == int(r["py_ops_per_s"])
+
+
+def test_bench_tiers_smoke(capsys):
+    assert cli.main(["bench", "tiers", "--lengths", "64", "--repeats", "1", "--candidates", "4"]) == 0
+    r = parse_result(last_line(capsys))
+    assert float(r["reload_ms"]) > 0 and float(r["recompute_ms"]) > 0
+
+
+def test_bench_rank_smoke(capsys):
+    assert cli.main(["bench", "rank", "--quick", "--threads", "1"]) == 0
+    r = parse_result(last_line(capsys))
+    assert any(k.startswith("speedup_L") for k in r)
+
+
+def test_console_script_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "info"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("RESULT ")
