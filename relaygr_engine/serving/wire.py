@@ -1,0 +1,145 @@
+"""JSON form of requests, tickets and replies (shared by the Python handle and the HTTP endpoints).
+
+Request (``POST /prefill`` and ``POST /rank``, or ``handle.prefill.remote(body)`` / ``handle.rank.remote(body)``)::
+
+    {"user_id": 7,                      # int in [0, 2**64) (or its decimal string)
+     "item_ids": [3, 14, ...],          # the history, oldest first
+     "action_ids": [0, 1, ...],         # optional, same length
+     "timestamps": [1700000000, ...],   # optional, seconds, same length
+     "context_ids": [5, 9],             # optional, the model's contextual tokens
+     "candidates": [11, 42, ...],       # /rank only: item ids to score
+     "request_time": 1700000100,        # /rank only, optional: the candidates' timestamp
+     "ticket": {...}}                   # /rank only, optional: the "ticket" of a /prefill reply
+
+Prefill reply::
+
+    {"replica": "ab12", "admitted": true, "rejected": false, "reason": "admitted",
+     "route_key": "7;at=ab12", "cached_tokens": 0, "computed_tokens": 600,
+     "ticket": {"admitted": true, "reason": "admitted", "user_id": 7, "fingerprint": "1234...",
+                "num_tokens": 600, "expires_at": 812.5, "cached_tokens": 0, "computed_tokens": 600,
+                "replica": "ab12"}}
+
+``rejected`` is true when the replica could not take the pre-infer now (its pool or the trigger's footprint or
+load bound declined it, or its pending pre-infers are at their bound): the caller should forward it to the user's
+next replica. A decline that no replica would overturn (``trigger:not_at_risk``, ``budget``) is not a rejection.
+The fingerprint is a decimal string (64-bit values do not survive JSON numbers in every language).
+
+Rank reply::
+
+    {"replica": "ab12", "scores": [[0.1, -0.3], ...], "source": "hbm", "cached_tokens": 600,
+     "computed_tokens": 264, "ticket_used": true}
+
+``scores`` is ``[C][num_tasks]`` (fp32 values as JSON numbers); ``source`` is ``"hbm"``, ``"dram"`` or
+``"recompute"``; ``ticket_used`` is false when no ticket came or it was issued by another replica (the user was
+re-routed, e.g. after a replica failure): that ranking computes what this replica does not hold.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from ..engine import PrefixTicket, RankResult
+from ..models import Behaviors
+from .routing import RouteKey, parse_user_id
+
+__all__ = ["REJECT_REASONS", "behaviors_to_json", "behaviors_from_json", "ticket_to_json", "ticket_from_json",
+           "candidates_from_json", "prefill_reply", "rank_reply"]
+
+REJECT_REASONS = frozenset({"pool_full", "trigger:footprint", "trigger:load", "replica:busy"})
+"""Prefill reasons that mean "not now, try the next replica" (``replica:busy``: pending pre-infers at the bound)."""
+
+
+def _ids(name: str, value) -> torch.Tensor:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {type(value).__name__}")
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in value):
+        bad = next(v for v in value if isinstance(v, bool) or not isinstance(v, (int, np.integer)))
+        raise ValueError(f"{name} must be a list of integers, got an element {bad!r}")
+    try:
+        return torch.tensor(value, dtype=torch.long)
+    except (OverflowError, RuntimeError):
+        raise ValueError(f"{name} must hold int64 values") from None
+
+
+def _tolist(x: Optional[torch.Tensor]) -> Optional[list]:
+    return None if x is None else x.detach().cpu().tolist()
+
+
+def behaviors_to_json(history: Behaviors) -> dict:
+    """The ``item_ids`` / ``action_ids`` / ``timestamps`` / ``context_ids`` fields of a request."""
+    if not isinstance(history, Behaviors):
+        raise ValueError(f"history must be a Behaviors, got {type(history).__name__}")
+    out = {"item_ids": _tolist(history.item_ids)}
+    for name in ("action_ids", "timestamps", "context_ids"):
+        v = getattr(history, name)
+        if v is not None:
+            out[name] = _tolist(v)
+    return out
+
+
+def behaviors_from_json(body: Mapping[str, Any], device="cpu") -> Behaviors:
+    """The history of a request body; ValueError naming the field when it is malformed."""
+    if not isinstance(body, Mapping):
+        raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+    if "item_ids" not in body:
+        raise ValueError("request body must have item_ids (the history, oldest first)")
+    fields = {"item_ids": _ids("item_ids", body["item_ids"]).to(device)}
+    for name in ("action_ids", "timestamps", "context_ids"):
+        if body.get(name) is not None:
+            fields[name] = _ids(name, body[name]).to(device)
+    return Behaviors(**fields)
+
+
+def candidates_from_json(body: Mapping[str, Any], device="cpu") -> torch.Tensor:
+    if body.get("candidates") is None:
+        raise ValueError("a rank request must have candidates (a list of item ids)")
+    return _ids("candidates", body["candidates"]).to(device)
+
+
+def ticket_to_json(ticket: PrefixTicket, replica: str) -> dict:
+    """A :class:`PrefixTicket` as JSON, with the id of the replica that holds the prefix."""
+    return {"admitted": ticket.admitted, "reason": ticket.reason, "user_id": ticket.user_id,
+            "fingerprint": str(ticket.fingerprint), "num_tokens": ticket.num_tokens, "expires_at": ticket.expires_at,
+            "cached_tokens": ticket.cached_tokens, "computed_tokens": ticket.computed_tokens, "replica": replica}
+
+
+def ticket_from_json(data: Mapping[str, Any]) -> tuple[PrefixTicket, Optional[str]]:
+    """Inverse of :func:`ticket_to_json`: the ticket and the replica that issued it."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"ticket must be a JSON object, got {type(data).__name__}")
+    try:
+        fp = int(data["fingerprint"])
+        ticket = PrefixTicket(admitted=bool(data["admitted"]), reason=str(data["reason"]),
+                              user_id=parse_user_id(data["user_id"]), fingerprint=fp,
+                              num_tokens=int(data["num_tokens"]),
+                              expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
+                              cached_tokens=int(data.get("cached_tokens", 0)),
+                              computed_tokens=int(data.get("computed_tokens", 0)))
+    except KeyError as e:
+        raise ValueError(f"ticket must have the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ticket is malformed: {e}") from None
+    if not 0 <= fp < 1 << 64:
+        raise ValueError(f"ticket fingerprint must be in [0, 2**64), got {fp}")
+    replica = data.get("replica")
+    return ticket, None if replica is None else str(replica)
+
+
+def prefill_reply(ticket: Optional[PrefixTicket], replica: str, user_id: int, reason: Optional[str] = None) -> dict:
+    """The reply to a pre-infer (``ticket`` None: rejected before reaching the engine, with ``reason``)."""
+    reason = ticket.reason if ticket is not None else reason
+    admitted = ticket is not None and ticket.admitted
+    return {"replica": replica, "admitted": admitted, "rejected": (not admitted) and reason in REJECT_REASONS,
+            "reason": reason,
+            "route_key": RouteKey(user_id, at=replica).encode() if admitted else RouteKey(user_id).encode(),
+            "cached_tokens": 0 if ticket is None else ticket.cached_tokens,
+            "computed_tokens": 0 if ticket is None else ticket.computed_tokens,
+            "ticket": ticket_to_json(ticket, replica) if admitted else None}
+
+
+def rank_reply(result: RankResult, replica: str, ticket_used: bool) -> dict:
+    return {"replica": replica, "scores": _tolist(result.scores.float()), "source": result.source,
+            "cached_tokens": result.cached_tokens, "computed_tokens": result.computed_tokens,
+            "ticket_used": ticket_used}
