@@ -171,6 +171,55 @@ def test_prefill_batch_with_duplicates_and_extension():
     assert s["prefills"] == 3 and s["prefill_reused_tokens"] == 20 and s["prefill_already_cached"] == 1
 
 
+@pytest.mark.parametrize("attention", KINDS)
+def test_pending_ticket_keeps_its_prefix_when_a_longer_prefill_comes(attention):
+    """A user's second pre-infer grows the leased shorter entry; the earlier ranking reads its leading part."""
+    model = make_model(attention)
+    engine = make_engine(model)
+    h = history(70, seed=31)
+    first = engine.prefill_prefix(3, h.prefix(20))  # its ranking (20 cached + 16 new tokens) is still to come
+    second = engine.prefill_prefix(3, h.prefix(52))  # the user's next request, pre-inferred before that ranking
+    assert second.admitted and second.cached_tokens == 20 and second.computed_tokens == 32
+    assert [n for _, n in engine.pool.entries_of(3)] == [52]
+    early, late = (h.prefix(36), candidates(5)), (h.prefix(68), candidates(6, seed=2))
+    r1 = engine.rank_with_prefix(3, *early, ticket=first)
+    assert r1.source == "hbm" and r1.cached_tokens == 36 and r1.computed_tokens == 5  # all 36 from the longer entry
+    assert_exact(r1, model, *early)
+    assert engine.pool.has_lease(3, second.fingerprint)  # the later ticket still holds the grown entry
+    r2 = engine.rank_with_prefix(3, *late, ticket=second)
+    assert r2.source == "hbm" and r2.cached_tokens == 52
+    assert_exact(r2, model, *late)
+    s = engine.stats()
+    assert s["prefill_computed_tokens"] == 20 + 32 and s["stale_tickets"] == 1 and s["recomputes"] == 0
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_leading_part_of_a_longer_entry_is_reused_and_copied(attention):
+    """A prefix inside a longer entry is already cached; a history sharing only its front copies that part."""
+    model = make_model(attention)
+    engine = make_engine(model, extend_on_rank=False)
+    h = history(60, seed=33)
+    assert engine.prefill_prefix(4, h.prefix(44)).admitted
+    inside = engine.prefill_prefix(4, h.prefix(30))
+    assert inside.reason == "already_cached" and inside.cached_tokens == 30 and inside.num_tokens == 30
+    r = engine.rank_with_prefix(4, h.prefix(30), candidates(3), ticket=inside)
+    assert r.source == "hbm" and r.cached_tokens == 30 and r.computed_tokens == 3
+    assert_exact(r, model, h.prefix(30), candidates(3))
+    # the same first 27 behaviors, then different ones: 27 tokens are copied, the rest computed
+    other = rg.Behaviors(torch.cat([h.item_ids[:27], (h.item_ids[27:50] + 1) % 1000]), h.action_ids[:50],
+                         h.timestamps[:50])
+    t = engine.prefill_prefix(4, other)
+    assert t.admitted and t.cached_tokens == 27 and t.computed_tokens == 23
+    assert sorted(n for _, n in engine.pool.entries_of(4)) == [44, 50]
+    for hist in (other, h.prefix(44)):
+        res = engine.rank_with_prefix(4, hist, candidates(7))
+        assert res.source == "hbm" and res.computed_tokens == 7
+        assert_exact(res, model, hist, candidates(7))
+    s = engine.stats()
+    assert s["prefill_copies"] == 1 and s["prefill_copied_tokens"] == 27
+    assert engine.match_length(4, h) == 44 and engine.match_length(4, h.prefix(10)) == 10
+
+
 # ----------------------------------------------------------------------------------------------- cache state
 def test_stale_prefix_recomputes():
     model = make_model()
@@ -273,6 +322,23 @@ def test_evicted_prefix_recomputes_exactly():
                 "prefill_declines", "pool_entries", "pool_free_pages"}
     assert expected <= set(engine.stats())
     assert engine.stats()["dram_hits"] == 0
+
+
+def test_store_misses_keeps_a_recomputed_history_for_the_next_request():
+    model = make_model()
+    h = history(50, seed=41)
+    plain = make_engine(model)
+    assert plain.rank_with_prefix(6, h.prefix(30), candidates(4)).source == "recompute"
+    assert plain.pool.entries_of(6) == [] and plain.stats()["stored_on_rank"] == 0
+    engine = make_engine(model, store_misses=True)
+    first = engine.rank_with_prefix_batch([rg.RankRequest(6, h.prefix(24), candidates(4)),
+                                           rg.RankRequest(6, h.prefix(30), candidates(4))])
+    assert [r.source for r in first] == ["recompute", "recompute"]
+    assert engine.pool.entries_of(6) == [(engine.pool.entries_of(6)[0][0], 30)]  # the longest history, once
+    res = engine.rank_with_prefix(6, h, candidates(5))
+    assert res.source == "hbm" and res.cached_tokens == 30
+    assert_exact(res, model, h, candidates(5))
+    assert engine.stats()["stored_on_rank"] == 1
 
 
 def test_extension_keeps_following_the_history():

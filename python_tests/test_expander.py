@@ -76,6 +76,22 @@ def test_evicted_prefix_comes_back_from_dram_exactly(model):
     assert_exact(res, model, longer)
 
 
+def test_prefill_of_a_longer_prefix_reloads_the_dram_copy_and_computes_only_new_tokens(model):
+    engine = engine_for(model)
+    long1 = history(60, seed=1)
+    h1 = long1.prefix(40)
+    for i, (u, h) in enumerate(((1, h1), (2, history(40, seed=2)), (3, history(40, seed=3)))):
+        assert relay(engine, u, h, now=float(i)).source == "hbm"
+    assert engine.pool.entries_of(1) == []  # evicted from device memory, kept in DRAM
+    ticket = engine.prefill_prefix(1, long1.prefix(52), now=10.0)
+    assert ticket.admitted and ticket.cached_tokens == 40 and ticket.computed_tokens == 12
+    s = engine.stats()
+    assert s["prefill_dram_reloads"] == 1 and s["reloads"] == 1
+    res = engine.rank_with_prefix(1, long1, CANDS, ticket=ticket, now=10.05)
+    assert res.source == "hbm" and res.cached_tokens == 52
+    assert_exact(res, model, long1)
+
+
 def test_concurrent_rankings_share_one_reload_and_do_not_respill(model):
     engine = engine_for(model)
     hists = {u: history(40, seed=10 + u) for u in (1, 2, 3)}

@@ -83,6 +83,23 @@ def test_rank_full_equals_each_candidate_alone_in_a_causal_sequence(attention, t
 
 
 @pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("timestamps, context", [(True, 0), (False, 0), (True, 2)])
+def test_rank_uncached_equals_rank_full(attention, timestamps, context, monkeypatch):
+    """The no-cache baseline through the paged op scores like the dense oracle (also over several blocks)."""
+    cfg = small_config(attention, num_context_tokens=context, context_vocab_size=7 if context else 0)
+    model = rg.build_ranker(cfg, seed=4)
+    hist = random_history(50, seed=9, timestamps=timestamps, context=context)
+    cands = torch.randint(0, 500, (13,), generator=torch.Generator().manual_seed(2))
+    t_req = None if not timestamps else int(hist.timestamps[-1]) + 99
+    want = model.rank_full(hist, cands, request_time=t_req)
+    torch.testing.assert_close(model.rank_uncached(hist, cands, request_time=t_req), want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr("relaygr_engine.ops._HISTORY_BLOCK_ROWS", 7)  # several causal blocks
+    torch.testing.assert_close(model.rank_uncached(hist, cands, request_time=t_req), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="candidates must hold at least one"):
+        model.rank_uncached(hist, cands[:0])
+
+
+@pytest.mark.parametrize("attention", KINDS)
 def test_candidate_scores_do_not_depend_on_other_candidates(attention):
     model = rg.build_ranker(small_config(attention), seed=3)
     hist = random_history(20, seed=4)

@@ -142,6 +142,59 @@ def test_small_blocks_and_per_row_request_times(monkeypatch, mode):
                                atol=1e-5, rtol=1e-5)
 
 
+def sorted_times(args, seed=0, gap_bits=12, request_offset=1):
+    """Give every user non-decreasing timestamps over its cached tokens then its new rows (a real history);
+    candidates get the last history time + ``request_offset`` (negative: before part of the history)."""
+    g = torch.Generator().manual_seed(seed)
+    a = dict(args)
+    ts_cache, ts_q = a["ts_cache"].clone(), a["ts_q"].clone()
+    indptr, indices = a["kv_indptr"].tolist(), a["kv_indices"].tolist()
+    last, cu, ncand = a["kv_last_page_len"].tolist(), a["cu_seqlens_q"].tolist(), a["num_candidates"].tolist()
+    for b in range(len(ncand)):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        P = (len(pages) - 1) * PAGE + last[b] if pages else 0
+        n = cu[b + 1] - cu[b] - ncand[b]
+        # repeated times (gap 0) and gaps spanning many buckets
+        gaps = torch.randint(0, 1 << gap_bits, (P + n,), generator=g) * torch.randint(0, 2, (P + n,), generator=g)
+        t = (1 << 30) + torch.cumsum(gaps, 0)
+        for j in range(P):
+            ts_cache[pages[j // PAGE], j % PAGE] = t[j]
+        ts_q[cu[b]:cu[b] + n] = t[P:]
+        t_last = int(t[-1]) if P + n else 1 << 30
+        ts_q[cu[b] + n:cu[b + 1]] = t_last + request_offset
+    a.update(ts_cache=ts_cache, ts_q=ts_q)
+    return a
+
+
+@pytest.mark.parametrize("gap_bits, num_buckets, request_offset", [(12, NB, 1), (40, 64, 5), (3, 1, 0),
+                                                                   (10, NB, -(1 << 12))])
+def test_sorted_histories_take_the_run_length_time_bias(monkeypatch, gap_bits, num_buckets, request_offset):
+    """Non-decreasing key times never bucketise per element, and give exactly the spec's biases."""
+    args = sorted_times(make_batch(SEGMENTS["varlen_batch"], seed=5), seed=gap_bits, gap_bits=gap_bits,
+                        request_offset=request_offset)
+    g = torch.Generator().manual_seed(3)
+    pos, ts = torch.randn(POS, generator=g), torch.randn(num_buckets, generator=g)
+    kw = dict(mode="hstu", scale=0.4, hstu_norm=2.0, pos_bias=pos, ts_bias=ts)
+    want = naive(args, **kw)
+
+    def no_buckets(*a, **k):
+        raise AssertionError("per-element time buckets on a sorted history")
+
+    monkeypatch.setattr(ops, "time_buckets", no_buckets)
+    torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(ops, "_HISTORY_BLOCK_ROWS", 2)  # several causal blocks per user
+    torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_time_bias_falls_back_to_buckets_for_unsorted_keys():
+    args = sorted_times(make_batch([(2 * PAGE + 1, 3, 2)], seed=8), seed=1)
+    args["ts_q"][0] = 1 << 29  # one new row older than the cached prefix: keys not sorted
+    pos, ts = biases("pos+ts")
+    kw = dict(mode="hstu", scale=0.4, hstu_norm=2.0, pos_bias=pos, ts_bias=ts)
+    torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), naive(args, **kw), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_hstu_partial_sums_add_over_split_prefix():
     """HSTU attention is a plain sum over keys: caching more of the history must not change outputs."""
     base = make_batch([(2 * PAGE + 1, 0, 4)], seed=11)

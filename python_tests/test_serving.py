@@ -54,11 +54,12 @@ class FakeService:
         return {"fake": 1}
 
 
-def _workload(arrivals_s, delay=0.05) -> Workload:
-    """Requests whose arrivals (before the loop's +delay shift) are ``arrivals_s`` at qps = :func:`_qps`."""
+def _workload(arrivals_s, delay=0.05, warmup=0) -> Workload:
+    """Requests whose arrivals (before the loop's +delay shift) are ``arrivals_s`` at qps = :func:`_qps`; the first
+    ``warmup`` are warm-up requests."""
     z = np.zeros(1, dtype=np.int64)
     reqs = [Request(index=i, user_id=i, item_ids=z, action_ids=z, timestamps=z, prefix_len=1, candidates=z,
-                    request_ts=0, offset_s=float(a)) for i, a in enumerate(arrivals_s)]
+                    request_ts=0, offset_s=float(a), warmup=i < warmup) for i, a in enumerate(arrivals_s)]
     cfg = WorkloadConfig(num_items=4, num_actions=1, num_requests=max(1, len(reqs)), num_candidates=1,
                          pipeline_delay_s=delay)
     return Workload(reqs, cfg)
@@ -85,6 +86,32 @@ def test_queueing_on_the_virtual_clock():
     np.testing.assert_allclose(res.start_s, [0.0, 0.010, 0.020])
     np.testing.assert_allclose(res.latency_s, [0.010, 0.018, 0.026])
     assert res.busy_s == pytest.approx(0.030)
+
+
+def test_warmup_is_served_not_measured_and_the_window_opens_when_the_worker_is_free():
+    # two warm-up rankings at 0 and 1 ms take 10 ms each (busy until 20 ms); the measured one arrives at 5 ms
+    arr = [0.0, 0.001, 0.005, 0.030]
+    timer = FakeTimer()
+    svc = FakeService(timer, relay=True)
+    res = simulate(svc, _workload(arr, delay=0.0, warmup=2), _qps(arr), timer=timer)
+    assert [i for j, i, _ in svc.log if j == "rank"] == [0, 1, 2, 3]
+    assert res.num_requests == 2 and len(res.latency_s) == 2
+    # the measured window was shifted by 15 ms (the worker was busy until 20 ms) and never queued behind warm-up
+    np.testing.assert_allclose(res.arrival_s, [0.020, 0.045])
+    np.testing.assert_allclose(res.latency_s, [0.010, 0.010])
+    # pre-infer counters cover the measured requests only (no pipeline gap here: their rankings come first)
+    assert res.prefill["signals"] == 2 and res.prefill["dropped_stale"] == 2 and res.prefill["started"] == 0
+
+
+def test_a_stateless_service_skips_its_warmup():
+    arr = [0.0, 0.001, 0.005, 0.030]
+    timer = FakeTimer()
+    svc = FakeService(timer, relay=False)
+    svc.stateless = True
+    res = simulate(svc, _workload(arr, delay=0.0, warmup=2), _qps(arr), timer=timer)
+    assert [i for _, i, _ in svc.log] == [2, 3]
+    np.testing.assert_allclose(res.latency_s, [0.010, 0.010])
+    assert res.busy_s == pytest.approx(0.020)
 
 
 def test_relay_prefills_in_the_pipeline_gap_and_passes_virtual_now():

@@ -179,6 +179,28 @@ def test_length_scale_cap_and_base_length(tmp_path):
         assert f.item_ids[-n:].tolist() == b.item_ids[-n:].tolist()     # the real behaviors end the history
 
 
+def test_trimming_in_blocks_keeps_each_users_prefix(tmp_path):
+    log = read_interactions(_log_csv(tmp_path, _random_rows(n_users=20, seed=6)))
+    kw = dict(num_items=256, num_actions=2, num_requests=80, num_candidates=4, length_scale=3.0)
+    full = build_workload(log, WorkloadConfig(**kw))
+    blocks = build_workload(log, WorkloadConfig(**kw, max_history=12, trim_tokens=6))
+    last: dict = {}
+    shared = 0
+    for f, c in zip(full.requests, blocks.requests):
+        assert 12 - 6 + 1 <= c.history_len <= 12 or c.history_len == f.history_len <= 12
+        dropped = f.history_len - c.history_len
+        assert dropped % 6 == 0                                          # whole blocks from the user's start
+        assert c.item_ids.tolist() == f.item_ids[dropped:].tolist()     # the newest tokens are kept
+        p = last.get(c.user_id)
+        if p is not None and p[0] == dropped:                           # same block: the old history is a prefix
+            assert c.item_ids[:p[1].shape[0]].tolist() == p[1].tolist()
+            shared += 1
+        last[c.user_id] = (dropped, c.item_ids)
+    assert shared > 0
+    with pytest.raises(ValueError, match="trim_tokens"):
+        WorkloadConfig(**kw, trim_tokens=0)
+
+
 def first_base(w, user):
     return next(r.history_len for r in w.requests if r.user_id == user)
 

@@ -13,17 +13,23 @@ An entry is keyed by ``(user_id, fingerprint)``. The fingerprint of the first ``
 BLAKE2b hash of the model's :attr:`~relaygr_engine.models.GRRanker.identity` (config + weight bytes; it changes
 on ``load_state_dict`` or any in-place weight edit, so KV from other weights is never reused), whether the history
 has action ids and timestamps, and the first ``n`` rows of ``GRRanker.token_keys`` (kind, id, action, timestamp of
-each token). A request reuses an entry of ``n`` tokens only when the fingerprint of its own first ``n`` tokens is
-equal, so a history changed anywhere in the cached part (e.g. at the front) recomputes.
+each token). Beside each entry the engine keeps those token rows (with the identity and flags), so a request reuses
+the *longest common prefix* of its history and any entry of the user: all of a shorter entry, or the leading part
+of a longer one (the KV of a token depends only on the tokens before it, so any prefix of a cached entry is
+exact). A history changed anywhere in the cached part (e.g. at the front) shares nothing there and recomputes.
 
 Prefill tickets (``PrefixTicket.reason``)
 -----------------------------------------
 ``"admitted"``
-    The KV was computed and stored, leased for ``CacheConfig.lease_ttl_s``. When the user's cached entry was a
-    shorter prefix of this history, that entry was *extended* (only the new tokens computed; ``cached_tokens``
-    says how many were reused) and re-keyed; a ticket for the shorter entry then becomes stale (harmless).
+    The KV was computed and stored, leased for ``CacheConfig.lease_ttl_s``; ``cached_tokens`` says how many
+    leading tokens were reused from the user's cached entries. When a cached entry is wholly a prefix of this
+    history it is *extended* in place and re-keyed (only the new tokens are computed); a pending ticket of the
+    shorter prefix then goes stale (harmless: its ranking still reads its prefix, the leading part of the grown
+    entry, whose lease this prefill took over). When this history shares only the leading part of an entry, a new
+    entry starts with a device copy of that part (memory bandwidth only; ``prefill_copies``).
 ``"already_cached"``
-    This exact prefix was already cached; its lease was renewed (admitted).
+    This prefix was already cached, as an entry or the leading part of a longer one (possibly reloaded from the
+    DRAM tier); that entry's lease was renewed (admitted) and the ticket names it.
 ``"trigger:<reason>"``
     The trigger declined the pre-inference (not admitted; nothing computed).
 ``"pool_full"``
@@ -36,9 +42,11 @@ Prefill tickets (``PrefixTicket.reason``)
 Ranking
 -------
 A ranking read pins the entry it uses (never refused) and unpins it afterwards. A presented, admitted ticket ends
-its lease (the entry stays cached, evictable in LRU order). With ``extend_on_rank`` (default), the new history
-tokens' KV computed while ranking is appended to the entry used (``pool.extend``, re-keyed to the longer prefix)
-when pages are available and no other lease holds the entry, so the user's next request reuses more.
+its lease (the entry stays cached, evictable in LRU order). The history KV a ranking computes can be kept, so the
+user's next request reuses more: with ``extend_on_rank`` (default) the new tokens are appended to the entry used
+(``pool.extend``, re-keyed to the longer prefix) when pages are available and no other lease holds the entry;
+with ``store_misses`` a ranking that found nothing cached stores its whole history as a new evictable entry
+(``stored_on_rank``) when pages are available (evicting in LRU order).
 
 Trigger
 -------
@@ -58,7 +66,9 @@ read it, or when its pre-infer lease ends unused (checked at the start of every 
 evict it). An entry already in DRAM under the same key is not copied again, and a user's spill replaces its older
 (shorter) DRAM entries. A ranking request whose longest matching prefix is only in DRAM reloads it into pages (one
 copy, :meth:`~relaygr_engine.cache.PagedKVCache.unpack`) when :class:`~relaygr_engine.tiers.ReloadCostModel` predicts that reloading is
-cheaper than recomputing; its result says ``source="dram"``. Engine calls are serialised, so concurrent rankings of
+cheaper than recomputing; its result says ``source="dram"``. A prefill does the same: when DRAM holds a longer
+prefix of its history than device memory, that prefix is reloaded and only the newer tokens are computed
+(``prefill_dram_reloads``). Engine calls are serialised, so concurrent rankings of
 one user cause one reload, and the later ones read the reloaded pages (``source="hbm"``).
 
 Thread safety: every public method holds one engine lock (the pool itself is also thread-safe).
@@ -71,7 +81,7 @@ import operator
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -185,6 +195,14 @@ class _Job:
     index: int = 0
 
 
+class _Hit(NamedTuple):
+    """A cached entry ``(user, fp)`` of ``num_tokens`` tokens whose first ``usable`` tokens are the request's."""
+
+    fp: int
+    num_tokens: int
+    usable: int
+
+
 @dataclass(eq=False)
 class _Pin:
     key: tuple[int, int]
@@ -234,10 +252,14 @@ class RelayEngine:
         Pre-inference admission hook (see the module docstring); None admits every prefill the pool can take.
     extend_on_rank : bool
         Append the new history tokens' KV to the reused entry after ranking (default True).
+    store_misses : bool
+        Keep the history KV of a ranking that found nothing cached as a new evictable entry (default False: it
+        may evict the least recently used entry; relay serving under load turns it on so that the cache keeps
+        up when pre-inferences are dropped).
     """
 
     def __init__(self, model: GRRanker, cache_config: Optional[CacheConfig] = None, trigger=None, *,
-                 extend_on_rank: bool = True) -> None:
+                 extend_on_rank: bool = True, store_misses: bool = False) -> None:
         if not isinstance(model, GRRanker):
             raise ValueError(f"model must be a GRRanker, got {type(model).__name__}")
         cache_config = CacheConfig() if cache_config is None else cache_config
@@ -253,6 +275,7 @@ class RelayEngine:
         self.config = cache_config
         self.trigger = trigger
         self.extend_on_rank = bool(extend_on_rank)
+        self.store_misses = bool(store_misses)
         self.cache = PagedKVCache(cache_config, cfg.num_layers, cfg.num_heads, cfg.head_dim)
         self.pool = self.cache.pool
         self.page_size = self.cache.page_size
@@ -260,13 +283,18 @@ class RelayEngine:
                      if cache_config.dram_bytes > 0 else None)
         self.expander = ReloadCostModel()
         self._leased: dict[tuple[int, int], float] = {}  # admitted entries -> lease end, to spill unused ones
+        # user -> fingerprint -> (model identity, flags, token keys) of each entry (device or DRAM): lets a request
+        # reuse the leading part of a longer entry
+        self._entry_keys: dict[int, dict[int, tuple]] = {}
+        self._prune_at = 1024
         self._lock = threading.RLock()
         self._c = dict(rank_requests=0, hbm_hits=0, dram_hits=0, recomputes=0, reloads=0, reload_bytes=0,
                        reloads_declined_cost=0, reloads_refused=0, spills=0, spill_bytes=0, cached_tokens=0,
                        computed_tokens=0, candidates=0, extensions=0, late_tickets=0, stale_tickets=0,
                        prefills=0, prefill_already_cached=0, prefill_declines=0, prefill_declines_trigger=0,
                        prefill_declines_budget=0, prefill_declines_pool_full=0, prefill_computed_tokens=0,
-                       prefill_reused_tokens=0)
+                       prefill_reused_tokens=0, prefill_copies=0, prefill_copied_tokens=0,
+                       prefill_dram_reloads=0, stored_on_rank=0)
 
     def __repr__(self) -> str:
         return (f"RelayEngine(attention={self.model.config.attention.value}, cache={self.cache!r}, "
@@ -401,24 +429,24 @@ class RelayEngine:
                     match = self._match(p, p.num_tokens)
                     if self.dram is not None:
                         dram = self._match(p, p.num_tokens, entries=self.dram.entries_of(p.user_id))
-                        if dram is not None and (match is None or dram[1] > match[1]):
-                            key = (p.user_id, dram[0])
-                            if key not in pins:
-                                pages = self._reload(key, dram[1], t)
+                        if dram is not None and (match is None or dram.usable > match.usable):
+                            key = (p.user_id, dram.fp)
+                            if key not in pins and self.pool.lookup(*key) is None:
+                                pages = self._reload(key, dram.num_tokens, t)
                                 if pages is not None:
-                                    pins[key] = _Pin(key, pages, dram[1])
+                                    pins[key] = _Pin(key, pages, dram.num_tokens)
                                     reloaded.add(key)
                             if key in pins:
                                 match = dram
                     if match is None:
                         jobs.append(_Job(p, 0, None, p.candidates))
                         continue
-                    key = (p.user_id, match[0])
+                    key = (p.user_id, match.fp)
                     if key not in pins:
                         pages = self.pool.pin(*key, now=t)
                         assert pages is not None, key  # matched under the engine lock: it is cached
-                        pins[key] = _Pin(key, pages, match[1])
-                    jobs.append(_Job(p, match[1], pins[key].pages, p.candidates, key=key))
+                        pins[key] = _Pin(key, pages, match.num_tokens)
+                    jobs.append(_Job(p, match.usable, pins[key].pages, p.candidates, key=key))
                 outs = self._forward(jobs)
                 results = []
                 for job, (scores, _) in zip(jobs, outs):
@@ -440,17 +468,28 @@ class RelayEngine:
                         ended.add((tk.user_id, tk.fingerprint))
                         self._leased.pop((tk.user_id, tk.fingerprint), None)
                         self._end_lease(tk, t)
+                stored = []
                 if self.extend_on_rank:
                     for pin in pins.values():
                         self._extend_after_rank(pin, [(j, o) for j, o in zip(jobs, outs) if j.key == pin.key], t)
+                if self.store_misses:
+                    misses = {}
+                    for j, o in zip(jobs, outs):  # the longest history of each user that found nothing cached
+                        if j.key is None and j.prep.num_tokens > misses.get(j.prep.user_id, (0, None))[0]:
+                            misses[j.prep.user_id] = (j.prep.num_tokens, (j, o))
+                    for _, (j, (_, kv)) in misses.values():
+                        key = self._store_after_rank(j.prep, kv, t)
+                        if key is not None:
+                            stored.append(key)
             finally:
                 for pin in pins.values():
                     self.pool.unpin(*pin.key, now=t)
                     if pin.broken:
                         self._drop(pin.key, t, unpin=False)
-            for pin in pins.values():  # now evictable unless another ticket's lease holds it: keep a DRAM copy
-                if self.dram is not None and not self.pool.has_lease(*pin.key, now=t):
-                    self._spill(pin.key, t)
+            # now evictable unless another ticket's lease holds them: keep a DRAM copy
+            for key in [pin.key for pin in pins.values()] + stored:
+                if self.dram is not None and not self.pool.has_lease(*key, now=t):
+                    self._spill(key, t)
             return results
 
     def match_length(self, user_id: int, history: Behaviors) -> int:
@@ -461,7 +500,7 @@ class RelayEngine:
         p = self._prepare(user_id, history)
         with self._lock:
             m = self._match(p, p.num_tokens)
-            return 0 if m is None else m[1]
+            return 0 if m is None else m.usable
 
     def stats(self) -> dict[str, int]:
         """Counters as a flat dict: the engine's, ``evictions``, and every pool stat prefixed ``pool_``.
@@ -508,7 +547,7 @@ class RelayEngine:
         """Fingerprints of the first ``n`` tokens of ``p`` for each ``n`` in ``lengths``."""
         h = hashlib.blake2b(digest_size=8)
         h.update(self.model.identity.to_bytes(8, "little"))
-        h.update(bytes([p.history.action_ids is not None, p.history.timestamps is not None]))
+        h.update(self._flags(p))
         out, done = {}, 0
         for n in sorted(set(lengths)):
             h.update(p.keys[done:n].tobytes())
@@ -519,19 +558,71 @@ class RelayEngine:
     def _fingerprint(self, p: _Prep, n: int) -> int:
         return self._fingerprints(p, [n])[n]
 
-    def _match(self, p: _Prep, max_tokens: int, skip=(), entries=None) -> Optional[tuple[int, int]]:
-        """The longest cached ``(fingerprint, num_tokens)`` of the user that is exactly ``p``'s first tokens.
+    @staticmethod
+    def _flags(p: _Prep) -> bytes:
+        return bytes([p.history.action_ids is not None, p.history.timestamps is not None])
 
-        ``entries`` (default: the pool's entries of the user) lists the candidates, e.g. the DRAM tier's.
+    def _record(self, key: tuple[int, int], p: _Prep, n: int) -> None:
+        """Remember the token keys of a new or re-keyed entry: its first ``n`` tokens are ``p``'s first ``n``.
+
+        The record lets a request reuse any leading part of the entry (:meth:`_match`); records of entries that
+        neither tier holds any more are dropped for the user here, and for every user now and then.
         """
+        u, fp = key
+        recs = self._entry_keys.setdefault(u, {})
+        for old in [f for f in recs if f != fp and self.pool.lookup(u, f) is None
+                    and (self.dram is None or (u, f) not in self.dram)]:
+            del recs[old]
+        recs[fp] = (self.model.identity, self._flags(p), p.keys[:n])
+        if len(self._entry_keys) > self._prune_at:
+            for user in [v for v in self._entry_keys if v != u]:
+                live = {f for f, _ in self.pool.entries_of(user)}
+                if self.dram is not None:
+                    live |= {f for f, _ in self.dram.entries_of(user)}
+                kept = {f: r for f, r in self._entry_keys[user].items() if f in live}
+                if kept:
+                    self._entry_keys[user] = kept
+                else:
+                    del self._entry_keys[user]
+            self._prune_at = max(1024, 2 * len(self._entry_keys))
+
+    def _common(self, p: _Prep, fp: int, n: int, limit: int, identity: int) -> Optional[int]:
+        """Leading tokens (``<= min(n, limit)``) that the user's entry ``fp`` of ``n`` tokens shares with ``p``.
+
+        None when the entry has no record (then only the exact fingerprint of its ``n`` tokens can match).
+        """
+        rec = self._entry_keys.get(p.user_id, {}).get(fp)
+        if rec is None:
+            return None
+        ident, flags, ek = rec
+        if ident != identity or flags != self._flags(p):
+            return 0
+        k = min(n, limit, ek.shape[0], p.num_tokens)
+        diff = np.flatnonzero((ek[:k] != p.keys[:k]).any(axis=1))
+        return k if diff.size == 0 else int(diff[0])
+
+    def _match(self, p: _Prep, max_tokens: int, skip=(), entries=None) -> Optional[_Hit]:
+        """The user's cached entry sharing the most leading tokens with ``p`` (at most ``max_tokens``), or None.
+
+        ``entries`` (default: the pool's entries of the user) lists the candidates, e.g. the DRAM tier's. A hit
+        may use only the leading part of a longer entry (``usable < num_tokens``): the KV of a token depends on the
+        tokens before it only, so any prefix of a cached entry is exact. Ties prefer the shorter entry.
+        """
+        u = p.user_id
         if entries is None:
-            entries = self.pool.entries_of(p.user_id)
-        entries = [(fp, n) for fp, n in entries if n <= max_tokens and (p.user_id, fp) not in skip]
+            entries = self.pool.entries_of(u)
+        entries = [(fp, n) for fp, n in entries if (u, fp) not in skip]
         if not entries:
             return None
-        fps = self._fingerprints(p, [n for _, n in entries])
-        hits = [(fp, n) for fp, n in entries if fps[n] == fp]
-        return max(hits, key=lambda e: e[1]) if hits else None
+        identity = self.model.identity
+        best = None
+        for fp, n in entries:
+            m = self._common(p, fp, n, max_tokens, identity)
+            if m is None:  # no record: exact prefix only
+                m = n if n <= min(max_tokens, p.num_tokens) and self._fingerprint(p, n) == fp else 0
+            if m > 0 and (best is None or m > best.usable or (m == best.usable and n < best.num_tokens)):
+                best = _Hit(fp, n, m)
+        return best
 
     # ------------------------------------------------------------------------------------------ prefill steps
     def _plan_prefill(self, p: _Prep, t: float, pending: set) -> tuple[Optional[PrefixTicket], Optional[_Job]]:
@@ -542,32 +633,128 @@ class RelayEngine:
         if (u, fp) in pending:  # the same prefix earlier in this batch
             return PrefixTicket(True, "already_cached", u, fp, T, t + ttl, cached_tokens=T), None
         if self.pool.lookup(u, fp) is not None:
-            if self.pool.lease(u, fp, ttl, now=t):
-                self._c["prefill_already_cached"] += 1
-                if self.dram is not None:
-                    self._leased[(u, fp)] = t + ttl
-                return PrefixTicket(True, "already_cached", u, fp, T, t + ttl, cached_tokens=T), None
-            return self._decline(p, fp, "pool_full"), None
-        match = self._match(p, T - 1, skip=pending)
-        start = 0 if match is None else match[1]
+            return self._lease_cached(p, fp, fp, t), None
+        match = self._match(p, T, skip=pending)
+        if match is not None and match.usable == T:  # inside a longer cached entry: nothing to compute
+            return self._lease_cached(p, match.fp, fp, t), None
+        dram = None
+        if self.dram is not None:
+            d = self._match(p, T, skip=pending, entries=self.dram.entries_of(u))
+            if d is not None and d.usable > (0 if match is None else match.usable) and \
+                    self.pool.lookup(u, d.fp) is None:
+                dram = d
+        if dram is not None and dram.usable == T:  # inside a DRAM entry: reload it, nothing to compute
+            if self._reload((u, dram.fp), dram.num_tokens, t) is not None:
+                self._c["prefill_dram_reloads"] += 1
+                ticket = self._lease_cached(p, dram.fp, fp, t)
+                self.pool.unpin(u, dram.fp, now=t)
+                return ticket, None
+            dram = None
         if self.trigger is not None:
             d = self.trigger.decide(history_len=T, num_candidates=None, prefix_pages=-(-T // self.page_size),
                                     pinned_pages=self.pool.num_pinned_pages, num_pages=self.pool.num_pages,
                                     now=t, reserve=True)
             if not d.admit:
                 return self._decline(p, fp, f"trigger:{d.reason}"), None
-        if match is None:
-            pages = self.pool.insert(u, fp, T, ttl_s=ttl, now=t)
-        else:  # grow the user's shorter cached prefix in place: only the new tokens are computed
-            self.pool.pin(u, match[0], now=t)
-            pages = self.pool.extend(u, match[0], fp, T, now=t)
-            if pages is None:
-                self.pool.unpin(u, match[0], now=t)
+        pages, start = None, 0
+        try:
+            if dram is not None:
+                pages, start, reloaded = self._prefill_from_dram(p, fp, dram, t)
+                if reloaded:
+                    match = dram  # now in device memory
+            if pages is None and match is not None:
+                pages, start = self._prefill_from_cached(p, fp, match, t)
+        except BaseException:
+            self._prefill_done(p, t)
+            raise
+        if pages is None:
+            pages, start = self.pool.insert(u, fp, T, ttl_s=ttl, now=t), 0
         if pages is None:
             self._prefill_done(p, t)
             too_big = -(-T // self.page_size) > self.pool.max_pinned_pages
             return self._decline(p, fp, "budget" if too_big else "pool_full"), None
+        self._record((u, fp), p, T)
         return None, _Job(p, start, pages, None, key=(u, fp))
+
+    def _lease_cached(self, p: _Prep, entry_fp: int, fp: int, t: float) -> PrefixTicket:
+        """Lease the cached entry ``entry_fp`` holding all of ``p``'s tokens (``"already_cached"``)."""
+        u, T, ttl = p.user_id, p.num_tokens, self.config.lease_ttl_s
+        if self.pool.lease(u, entry_fp, ttl, now=t):
+            self._c["prefill_already_cached"] += 1
+            if self.dram is not None:
+                self._leased[(u, entry_fp)] = t + ttl
+            return PrefixTicket(True, "already_cached", u, entry_fp, T, t + ttl, cached_tokens=T)
+        return self._decline(p, fp, "pool_full")
+
+    def _prefill_from_cached(self, p: _Prep, fp: int, hit: _Hit, t: float) -> tuple[Optional[np.ndarray], int]:
+        """Pages for ``p`` whose first ``hit.usable`` tokens are the device entry ``hit``'s.
+
+        When all of the entry is ``p``'s prefix it is grown in place and re-keyed (a pending ticket of the shorter
+        prefix keeps its hit: its ranking reads the leading part of the grown entry). When ``p`` shares only part
+        of it, a new entry starts with a device copy of the shared part.
+        """
+        if hit.usable == hit.num_tokens:
+            return self._grow(p.user_id, hit.fp, fp, p.num_tokens, t), hit.usable
+        return self._insert_copy(p.user_id, fp, p.num_tokens, hit.fp, hit.usable, t), hit.usable
+
+    def _grow(self, u: int, entry_fp: int, fp: int, T: int, t: float) -> Optional[np.ndarray]:
+        """Extend the cached entry to ``T`` tokens and re-key it to ``fp`` (pinned by one reference), or None."""
+        self.pool.pin(u, entry_fp, now=t)
+        pages = self.pool.extend(u, entry_fp, fp, T, now=t)
+        if pages is None:
+            self.pool.unpin(u, entry_fp, now=t)
+        return pages
+
+    def _prefill_from_dram(self, p: _Prep, fp: int, hit: _Hit, t: float):
+        """Reload the DRAM entry ``hit`` and build ``p``'s pages on it (grown in place, or a copy of its shared part).
+
+        Returns ``(pages, start, reloaded)``; ``pages`` None when the pool cannot hold them (the reloaded entry, if
+        ``reloaded``, then stays cached and evictable).
+        """
+        u, T = p.user_id, p.num_tokens
+        if self._reload((u, hit.fp), hit.num_tokens, t) is None:
+            return None, 0, False
+        self._c["prefill_dram_reloads"] += 1
+        if hit.usable == hit.num_tokens:  # all of it is p's prefix: grow it (our reload holds a reference)
+            pages = self.pool.extend(u, hit.fp, fp, T, now=t)
+            if pages is not None:
+                return pages, hit.usable, True
+        else:
+            pages = self._insert_copy(u, fp, T, hit.fp, hit.usable, t)
+        self.pool.unpin(u, hit.fp, now=t)
+        return pages, hit.usable, True
+
+    def _insert_copy(self, u: int, fp: int, T: int, src_fp: int, n: int, t: float) -> Optional[np.ndarray]:
+        """A new leased entry of ``T`` tokens whose first ``n`` tokens are copied from the entry ``src_fp``.
+
+        Returns its pages (pinned by one reference, like ``pool.insert``), or None when the pool cannot hold it.
+        The copy is page-granular (the source's last copied page whole; the new tokens overwrite its tail).
+        """
+        src = self.pool.pin(u, src_fp, now=t)  # held while copying: never evicted by the insert below
+        assert src is not None, (u, src_fp)
+        try:
+            pages = self.pool.insert(u, fp, T, ttl_s=self.config.lease_ttl_s, now=t)
+            if pages is None:
+                return None
+            try:
+                self._copy_pages(src[:-(-n // self.page_size)], pages)
+            except BaseException:
+                self._drop((u, fp), t)
+                raise
+        finally:
+            self.pool.unpin(u, src_fp, now=t)
+        self._c["prefill_copies"] += 1
+        self._c["prefill_copied_tokens"] += n
+        return pages
+
+    def _copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the K/V of every layer and the timestamps of pages ``src`` into the first ``len(src)`` of ``dst``."""
+        dev = self.cache.device
+        s = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(dev)
+        d = torch.from_numpy(np.ascontiguousarray(dst[:len(src)], dtype=np.int64)).to(dev)
+        for buf in self.cache.kv:
+            buf.index_copy_(0, d, buf.index_select(0, s))
+        self.cache.timestamps.index_copy_(0, d, self.cache.timestamps.index_select(0, s))
 
     def _prefill_done(self, p: _Prep, t: float) -> None:
         """Tell the trigger that an admitted prefill ended (its load bound counts work in flight)."""
@@ -605,7 +792,8 @@ class RelayEngine:
 
     def _extend_after_rank(self, pin: _Pin, uses: list, t: float) -> None:
         """Append the new history KV of the longest request that read ``pin`` to its entry."""
-        uses = [(j, o) for j, o in uses if j.prep.num_tokens > pin.num_tokens]
+        # requests that read all of the entry and have newer tokens (an entry used in part is never grown)
+        uses = [(j, o) for j, o in uses if j.start == pin.num_tokens < j.prep.num_tokens]
         if not uses or self.pool.has_lease(*pin.key, now=t):  # leased for a pending ticket: leave it as is
             return
         job, (_, kv) = max(uses, key=lambda jo: jo[0].prep.num_tokens)
@@ -617,12 +805,32 @@ class RelayEngine:
         if pages is None:
             return
         pin.key, pin.pages, pin.num_tokens = (p.user_id, fp), pages, T
+        self._record(pin.key, p, T)
         try:
             self._write(pages, p, job.start, kv)
         except BaseException:
             pin.broken = True
             raise
         self._c["extensions"] += 1
+
+    def _store_after_rank(self, p: _Prep, kv, t: float) -> Optional[tuple[int, int]]:
+        """Keep the history KV a ranking computed with nothing cached as a new (evictable) entry; its key or None."""
+        u, T = p.user_id, p.num_tokens
+        fp = self._fingerprint(p, T)
+        if self.pool.lookup(u, fp) is not None:
+            return None
+        pages = self.pool.insert(u, fp, T, now=t)
+        if pages is None:
+            return None
+        try:
+            self._write(pages, p, 0, kv)
+        except BaseException:
+            self._drop((u, fp), t)
+            raise
+        self._record((u, fp), p, T)
+        self.pool.unpin(u, fp, now=t)
+        self._c["stored_on_rank"] += 1
+        return u, fp
 
     # ------------------------------------------------------------------------------------------ DRAM tier
     def _spill(self, key: tuple[int, int], t: float) -> None:
@@ -633,7 +841,15 @@ class RelayEngine:
         pages = self.pool.pages_of(*key)
         c = self.cache
         buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
-        c.pack(pages, out=buf)
+        if c.device.type == "cpu" and buf.device.type == "cpu" and buf.is_contiguous():
+            # one gather per layer and K/V straight into the buffer (the generic pack makes several copies)
+            ids = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+            view = buf.view(c.num_layers, 2, len(pages), self.page_size, c.num_heads, c.head_dim)
+            for layer, kv in enumerate(c.kv):
+                for i in (0, 1):
+                    torch.index_select(kv[:, i], 0, ids, out=view[layer, i])
+        else:
+            c.pack(pages, out=buf)
         entry = DramEntry(key[0], key[1], num_tokens, buf, c.gather_timestamps(pages, num_tokens).cpu())
         if self.cache.device.type == "cuda":
             torch.cuda.current_stream(self.cache.device).synchronize()  # the buffer is complete before reuse

@@ -266,8 +266,9 @@ def render_markdown(report: dict) -> str:
     lines += [_table(["mode", "SLO-compliant QPS", f"max history @ {_fmt(s.get('ref_qps'))} QPS",
                       "P50 ms @ ref", "P99 ms @ ref"], rows), ""]
     lines += ["## Setup", ""]
-    for k in ("device", "torch", "threads", "load_average", "model", "cache", "trigger", "workload_source", "length",
-              "requests", "candidates", "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick"):
+    for k in ("device", "torch", "threads", "load_average", "baseline", "service_time_clock", "repeats", "model",
+              "cache", "trigger", "workload_source", "length", "requests", "warmup_requests", "candidates",
+              "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick"):
         if k in s:
             lines.append(f"- **{k}**: {_fmt(s[k]) if not isinstance(s[k], (dict, list)) else json.dumps(s[k])}")
     wl = s.get("workload", {})
@@ -282,7 +283,8 @@ def render_markdown(report: dict) -> str:
                  _sources(p.get("sources", {})), _prefill(p.get("prefill", {}))] for p in r["curve"]]
         lines += [_table(["QPS", "P50 ms", "P99 ms", "mean ms", "busy share", "worker ms / request",
                           "ranking sources", "pre-infers"], rows), "",
-                  "(worker ms / request: all worker time, rankings and pre-infers, per served ranking request)", ""]
+                  "(worker ms / request: worker time spent on the measured requests, their rankings and "
+                  "pre-infers, per measured request)", ""]
         st = r["slo_throughput"]
         lines += [f"SLO-compliant throughput: **{_fmt(st['best'])} QPS** ({st['status']}; first failing QPS "
                   f"{_fmt(st['first_fail'])}).", ""]
@@ -314,10 +316,13 @@ def render_markdown(report: dict) -> str:
 
 
 def _p99(p: dict) -> str:
-    """P99 cell: a run stopped once P99 > SLO was certain shows its partial P99 as a lower bound."""
+    """P99 cell: a run stopped once P99 > SLO was certain shows its partial P99 as a lower bound; a repeated point
+    lists every run's P99 (the cell's value is the median run's)."""
+    runs = p.get("p99_runs_ms") or []
+    extra = (f" (median of {len(runs)} runs: " + ", ".join(_fmt(v) for v in runs) + ")") if len(runs) > 1 else ""
     if p.get("stopped_early"):
-        return f">= {_fmt(p['p99_ms'])} (stopped at {p.get('completed')}/{p.get('num_requests')})"
-    return _fmt(p["p99_ms"])
+        return f">= {_fmt(p['p99_ms'])} (stopped at {p.get('completed')}/{p.get('num_requests')})" + extra
+    return _fmt(p["p99_ms"]) + extra
 
 
 def _sources(src: dict) -> str:

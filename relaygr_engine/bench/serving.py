@@ -14,11 +14,21 @@ Nothing sleeps. The worker is emulated with a virtual clock ``t``:
    whose ranking request has already arrived (counted as ``dropped_stale``: that ranking recomputes, or uses what
    the cache holds) and takes the oldest remaining pre-infer; with both queues empty ``t`` jumps to the next event;
 3. the job really runs (the real engine call, given ``now=t`` so cache leases expire on the same clock) and its
-   measured wall duration advances ``t``. Jobs are not preempted: a ranking that arrives while a pre-infer runs waits
-   for it.
+   measured duration advances ``t`` (``timer``: wall time, or :func:`cpu_timer`, the thread's CPU time, which
+   on a shared CPU machine measures the job's own compute without the time other processes take). Jobs are not
+   preempted: a ranking that arrives while a pre-infer runs waits for it.
 
 A ranking request's latency is its completion time minus its arrival time, so queueing behind other rankings and
 behind a running pre-infer is counted in full, without any idle waiting: a run costs only the compute it does.
+
+Warm-up
+-------
+A workload's warm-up requests (:attr:`Workload.num_warmup`, the first ones) are served the same way but not
+measured: they leave the caches as a continuously running server would have them. The measured window opens once
+every warm-up ranking is served: if the worker is still busy then (a cold start costs more than the steady state),
+the measured requests' times are shifted later by that much, so the measured requests never queue behind the
+warm-up. A service with ``stateless = True`` (the baseline) skips its warm-up requests: with that rule they could
+not change its measured latencies.
 
 Services
 --------
@@ -41,8 +51,8 @@ import numpy as np
 
 from .workload import Request, Workload
 
-__all__ = ["Mode", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "RelayService", "RunResult",
-           "simulate", "to_behaviors"]
+__all__ = ["Mode", "BaselineImpl", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "RelayService",
+           "RunResult", "simulate", "to_behaviors", "cpu_timer"]
 
 
 class Mode(str, enum.Enum):
@@ -123,13 +133,30 @@ class _Tensors:
         return self._cache[id(req)]
 
 
+class BaselineImpl(str, enum.Enum):
+    """How the baseline runs full inference."""
+
+    PAGED = "paged"    # model.rank_uncached: the engine's attention op with an empty prefix (same kernels as relay)
+    DENSE = "dense"    # model.rank_full: dense masked N x N attention (the oracle)
+
+
 class BaselineService:
-    """Full inference on the critical path: ``model.rank_full(history, candidates, request_time)``; no pre-infer."""
+    """Full inference on the critical path, no pre-infer.
+
+    ``impl="paged"`` (default) runs ``model.rank_uncached``: the same attention kernels as the relay engine with no
+    cached prefix, so the comparison isolates the cache. ``impl="dense"`` runs ``model.rank_full`` (the dense
+    oracle, several times slower on long histories: a baseline that would flatter the cache).
+    """
 
     wants_prefill = False
+    stateless = True  # no state carries from one request to the next: warm-up requests need not run
 
-    def __init__(self, model, device: str = "cpu") -> None:
+    def __init__(self, model, device: str = "cpu", impl: str = "paged") -> None:
+        from ..config import parse_choice
+
         self.model = model
+        self.impl = parse_choice(BaselineImpl, impl, "impl")
+        self._rank = model.rank_uncached if self.impl is BaselineImpl.PAGED else model.rank_full
         self._t = _Tensors(device)
 
     def prepare(self, requests) -> None:
@@ -140,7 +167,7 @@ class BaselineService:
 
         hist, cands = self._t.get(req)
         with torch.inference_mode():
-            scores = self.model.rank_full(hist, cands, request_time=req.request_ts)
+            scores = self._rank(hist, cands, request_time=req.request_ts)
         _sync(scores)
         return RankOutcome("full", 0, req.history_len + int(cands.shape[0]))
 
@@ -297,6 +324,15 @@ class RelayService:
         return s
 
 
+def cpu_timer() -> float:
+    """CPU time of the calling thread (s): a job's service time free of other processes' load on a shared machine.
+
+    Valid as a service-time clock when the job's compute runs on the calling thread (CPU device, one intra-op
+    thread); accelerator work or extra threads are not counted, use ``time.perf_counter`` there.
+    """
+    return time.thread_time()
+
+
 def _sync(t) -> None:
     """Wait for queued device work so the measured duration covers it (no-op on CPU)."""
     import torch
@@ -309,9 +345,11 @@ def _sync(t) -> None:
 class RunResult:
     """One open-loop run of one mode at one QPS.
 
-    Per-request arrays are indexed like ``workload.requests`` (arrival order); times are virtual seconds with the
-    first pre-infer signal at 0 (the first ranking arrives at ``pipeline_delay_s``). A run stopped early
-    (``stopped_early``) holds only the first requests, of ``num_requests``.
+    Per-request arrays are indexed like ``workload.measured`` (arrival order, warm-up requests left out); times are
+    virtual seconds with the first pre-infer signal at 0 (the first ranking arrives at ``pipeline_delay_s``). A run
+    stopped early (``stopped_early``) holds only the first measured requests, of ``num_requests``. ``prefill``
+    counts the measured requests' pre-infers and ``work_s`` is the time of their jobs (rankings and pre-infers),
+    from ``window_start_s`` (the first measured event) on; ``engine_stats`` and ``busy_s`` cover the whole run.
     """
 
     mode: str
@@ -328,6 +366,8 @@ class RunResult:
     prefill: dict = field(default_factory=dict)
     engine_stats: dict = field(default_factory=dict)
     busy_s: float = 0.0
+    work_s: float = 0.0
+    window_start_s: float = 0.0
     wall_s: float = 0.0
     stopped_early: bool = False
     num_requests: int = 0
@@ -363,7 +403,7 @@ def simulate(service: Service, workload: Workload, qps: float, *, mode: str = ""
     progress : object with ``update(n)``, optional
         Advanced by one per completed ranking request.
     stop_over : (threshold_s, count), optional
-        Stop once ``count`` ranking requests took longer than ``threshold_s`` (the outcome of a pass/fail question
+        Stop once ``count`` measured ranking requests took longer than ``threshold_s`` (the outcome of a pass/fail question
         such as "P99 <= SLO" is then certain). The result then holds the requests served so far (rankings are
         served in arrival order, so they are the first ones) and ``stopped_early`` is True.
 
@@ -376,8 +416,9 @@ def simulate(service: Service, workload: Workload, qps: float, *, mode: str = ""
     """
     reqs = workload.requests
     n = len(reqs)
-    if n == 0:
-        raise ValueError("workload has no requests")
+    W = workload.num_warmup
+    if n == W:
+        raise ValueError("workload has no measured requests")
     delay = workload.config.pipeline_delay_s
     arr = workload.arrivals(qps) + delay          # first signal at virtual time 0
     sig = arr - delay
@@ -393,24 +434,35 @@ def simulate(service: Service, workload: Workload, qps: float, *, mode: str = ""
     sources = [""] * n
     done_prefill = np.zeros(n, dtype=bool)
     started = np.zeros(n, dtype=bool)
-    pf = {"signals": n if relay else 0, "started": 0, "chunks": 0, "admitted": 0, "dropped_stale": 0,
+    pf = {"signals": n - W if relay else 0, "started": 0, "chunks": 0, "admitted": 0, "dropped_stale": 0,
           "cut_short": 0, "service_s": 0.0, "refused": collections.Counter()}
 
     rank_q: collections.deque[int] = collections.deque()
     pre_q: collections.deque[int] = collections.deque()
-    i_sig = 0 if relay else n
-    i_arr = 0
-    served = 0
+    skip = W if getattr(service, "stateless", False) else 0   # a stateless service needs no warm-up
+    i_sig = skip if relay else n
+    i_arr = skip
+    served = skip
+    opened = W == skip                           # the measured window is open (its events may be queued)
     busy = 0.0
+    work = 0.0                                   # time spent on the measured requests' jobs
     t = 0.0 if relay else float(arr[0])
     wall0 = time.perf_counter()
     over = 0
     stopped = False
+    if skip and n > W:
+        t = float(sig[W] if relay else arr[W])
     while served < n:
-        while i_sig < n and sig[i_sig] <= t:
+        if not opened and served >= W:          # warm-up rankings all served: open the measured window, delayed
+            shift = max(0.0, t - float(sig[W] if relay else arr[W]))   # until the worker is free if need be
+            arr[W:] += shift
+            sig[W:] += shift
+            opened = True
+        lim = n if opened else W
+        while i_sig < lim and sig[i_sig] <= t:
             pre_q.append(i_sig)
             i_sig += 1
-        while i_arr < n and arr[i_arr] <= t:
+        while i_arr < lim and arr[i_arr] <= t:
             rank_q.append(i_arr)
             i_arr += 1
         if rank_q:
@@ -423,10 +475,11 @@ def simulate(service: Service, workload: Workload, qps: float, *, mode: str = ""
             sources[i], cached[i], computed[i] = out.source, out.cached_tokens, out.computed_tokens
             t += d
             busy += d
+            work += d if i >= W else 0.0
             served += 1
             if progress is not None:
                 progress.update(1)
-            if stop_over is not None and t - arr[i] > stop_over[0]:
+            if stop_over is not None and i >= W and t - arr[i] > stop_over[0]:
                 over += 1
                 if over >= stop_over[1] and served < n:
                     stopped = True
@@ -435,43 +488,47 @@ def simulate(service: Service, workload: Workload, qps: float, *, mode: str = ""
         while pre_q and arr[pre_q[0]] <= t:      # its ranking already arrived (and, with priority, was served)
             j = pre_q.popleft()
             if started[j]:
-                pf["cut_short"] += 1
+                pf["cut_short"] += j >= W
                 if cancel is not None:
                     cancel(reqs[j], t)
             else:
-                pf["dropped_stale"] += 1
+                pf["dropped_stale"] += j >= W
         if pre_q:
             i = pre_q.popleft()
+            m = i >= W                           # counted (a measured request's pre-infer)
             if not started[i]:
                 started[i] = True
-                pf["started"] += 1
+                pf["started"] += m
             t0 = timer()
             out = service.prefill(reqs[i], t)
             d = timer() - t0
-            pf["chunks"] += 1
-            pf["service_s"] += d
+            pf["chunks"] += m
+            pf["service_s"] += d if m else 0.0
+            work += d if m else 0.0
             if out.remaining:
                 pre_q.appendleft(i)              # continue with the next chunk unless a ranking comes first
             elif out.admitted:
-                pf["admitted"] += 1
+                pf["admitted"] += m
                 done_prefill[i] = True
-            else:
+            elif m:
                 pf["refused"][out.reason or "unspecified"] += 1
             t += d
             busy += d
             continue
-        nxt = min(sig[i_sig] if i_sig < n else math.inf, arr[i_arr] if i_arr < n else math.inf)
+        nxt = min(sig[i_sig] if i_sig < lim else math.inf, arr[i_arr] if i_arr < lim else math.inf)
         assert math.isfinite(nxt), "no pending event while requests remain unserved"
         t = max(t, float(nxt))
     for j in pre_q:                              # every ranking is served: what is left is stale
-        pf["cut_short" if started[j] else "dropped_stale"] += 1
+        pf["cut_short" if started[j] else "dropped_stale"] += j >= W
         if started[j] and cancel is not None:
             cancel(reqs[j], t)
-    pf["dropped_stale"] += n - i_sig
+    pf["dropped_stale"] += n - max(i_sig, W) if relay else 0
     pf["refused"] = dict(pf["refused"])
-    k = served                                   # rankings are served in arrival order: requests 0..k-1
-    return RunResult(mode=mode or type(service).__name__, qps=float(qps), arrival_s=arr[:k], start_s=start[:k],
-                     finish_s=finish[:k], service_s=service_s[:k], history_len=workload.history_lengths()[:k],
-                     cached_tokens=cached[:k], computed_tokens=computed[:k], sources=sources[:k],
-                     had_ticket=had_ticket[:k], prefill=pf, engine_stats=service.stats(), busy_s=busy,
-                     wall_s=time.perf_counter() - wall0, stopped_early=stopped, num_requests=n)
+    k = max(served, W)                           # rankings are served in arrival order: requests 0..served-1
+    m = slice(W, k)                              # the measured ones among them
+    return RunResult(mode=mode or type(service).__name__, qps=float(qps), arrival_s=arr[m], start_s=start[m],
+                     finish_s=finish[m], service_s=service_s[m], history_len=workload.history_lengths()[m],
+                     cached_tokens=cached[m], computed_tokens=computed[m], sources=sources[m],
+                     had_ticket=had_ticket[m], prefill=pf, engine_stats=service.stats(), busy_s=busy, work_s=work,
+                     window_start_s=float(sig[W] if relay else arr[W]) if W < n else 0.0,
+                     wall_s=time.perf_counter() - wall0, stopped_early=stopped, num_requests=n - W)

@@ -1,7 +1,8 @@
 """``relaygr bench slo``: relay-race serving vs full inference under a P99 ranking SLO, on a real-log workload.
 
-For each mode (``baseline``: ``model.rank_full`` on the critical path; ``relay``: trigger + HBM prefix cache
-(+ DRAM expander); ``relay_no_expander``) on the same request stream (:mod:`relaygr_engine.bench.workload`),
+For each mode (``baseline``: full inference on the critical path, ``model.rank_uncached`` by default (the relay
+engine's kernels without a cache) or ``model.rank_full`` with ``--baseline dense``; ``relay``: trigger + HBM prefix
+cache (+ DRAM expander); ``relay_no_expander``) on the same request stream (:mod:`relaygr_engine.bench.workload`),
 served by one worker on a virtual clock with the real engine's compute (:mod:`relaygr_engine.bench.serving`):
 
 1. **SLO-compliant throughput**: the highest QPS whose P99 ranking latency is within ``--slo-ms``
@@ -12,6 +13,11 @@ served by one worker on a virtual clock with the real engine's compute (:mod:`re
 3. **Longest history within the SLO** at the reference QPS: each user's first served request carries exactly
    ``L`` history tokens (later ones append), searched over ``L`` in page multiples.
 
+Defaults: HSTU ranker (2 layers, hidden 64, 2 heads x 32), 64 candidates, SLO 100 ms, 50 ms retrieval-to-ranking
+delay, 8 tokens per real behavior with a 2048-token cap (the baseline's longest histories take well over half the
+SLO on one CPU thread), warm-up of twice the measured requests, thread CPU time as the service-time clock, marginal
+points repeated three times.
+
 Writes ``report.md``, ``report.json``, ``latency_vs_qps.png`` and ``max_len.png`` to ``--out`` and ends with
 ``RESULT slo_throughput_ratio=... max_len_ratio=... p99_ms_relay=... p99_ms_baseline=...`` (relay / baseline,
 measured in this run).
@@ -19,6 +25,7 @@ measured in this run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -29,11 +36,13 @@ from typing import Optional
 import numpy as np
 
 from . import report as rpt
-from .serving import BaselineService, Mode, RelayService, TriggerHook, simulate
+from .serving import BaselineImpl, BaselineService, Mode, RelayService, TriggerHook, cpu_timer, simulate
 from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
                        synthesize_interactions)
 
 __all__ = ["build_parser", "run", "main", "METHOD"]
+
+_MAX_REQUESTS_FACTOR = 4  # the measured stream holds this many times --requests (for --min-duration-s)
 
 METHOD = """\
 **Workload.** Every interaction event of the log becomes one ranking request of its user: the history is the
@@ -42,28 +51,39 @@ a pre-infer signal precedes the ranking request by the retrieval-to-ranking dela
 compressed on its own (gap ``g -> floor + g*cap/(g+cap)``, 1 s floor and 30 min cap by default: strictly
 increasing, so the order of a user's re-request gaps is kept), users are aligned so that many are active at once,
 each at a random point of its history, and the served window is rescaled linearly to the target QPS (the same
-stream at every QPS). Item ids are remapped by frequency rank (overflow hashed); ``length_scale`` expands every
-real behavior into that many tokens (the behavior plus synthetic companions) because real logs' histories are
-short while the engine targets long sequences.
+stream at every QPS). The measured requests are preceded by warm-up requests (the log's preceding events), served
+the same way but not measured, so the measured requests meet caches and queues in their steady state. Item ids are
+remapped by frequency rank (overflow hashed); ``length_scale`` expands every real behavior into that many tokens
+(the behavior plus synthetic companions) because real logs' histories are short while the engine targets long
+sequences; a history over the cap loses its oldest tokens in blocks (``trim_tokens``), as a production long-term
+sequence is truncated now and then rather than shifted by every new behavior.
 
 **Serving.** One worker (one engine, one device) serves two queues: ranking (priority) and pre-infer
-(deferrable). Nothing sleeps: a virtual clock advances by the measured wall time of each real engine call (the
-baseline's `rank_full`, the relay engine's `prefill_prefix` / `rank_with_prefix`, with `now=` the virtual time so
-leases expire on the same clock). When the worker is free it takes the oldest ranking request, else the oldest
+(deferrable). Nothing sleeps: a virtual clock advances by the measured duration of each real engine call (the
+baseline's full inference, the relay engine's `prefill_prefix` / `rank_with_prefix`, with `now=` the virtual time
+so leases expire on the same clock). When the worker is free it takes the oldest ranking request, else the oldest
 pre-infer whose ranking has not arrived yet (those whose ranking already arrived are dropped and counted: the
 ranking uses what the cache holds or recomputes). Jobs are not preempted; a pre-infer runs as chunks of at most
 ``chunk_tokens`` tokens (each extending the entry the previous chunk cached), so a ranking waits for one chunk at
 most. A ranking's latency is its completion time minus its arrival time, queueing included. The relay trigger
-(`SequenceAwareTrigger`, latency model calibrated on this model at start-up) pre-infers only requests whose full
-inference is predicted to put the SLO at risk, within its footprint bound.
+(`SequenceAwareTrigger`, latency model calibrated at start-up on this model's baseline full inference) pre-infers
+only requests whose full inference is predicted to put the SLO at risk, within its footprint bound. The baseline's
+full inference is `model.rank_uncached` by default: the same attention kernels as the relay engine with no cached
+prefix, so the two modes differ only by the cache (`--baseline dense` uses the dense oracle `model.rank_full`,
+several times slower on long histories).
 
-**Statistics.** P50/P99 are nearest-rank percentiles over all requests of a run. The SLO-compliant throughput is
-the highest QPS whose P99 <= SLO, found by a geometric sweep then bisection (each result is a measured passing QPS
-with a measured failing QPS just above it); the longest history is searched the same way over page-aligned lengths.
-The modes' searches run in lockstep (one evaluation of each mode in turn), so slow drift of a shared machine affects
-every mode alike. A run stops as soon as P99 > SLO is certain (enough requests over the SLO); its P99 is then a lower
-bound, marked as such. Timings come from the machine the benchmark runs on and carry its noise; every number in one
-report comes from one run of the benchmark."""
+**Timing.** A job's duration is the CPU time of the worker thread (`--timer cpu`, the default on one CPU thread):
+it leaves out time the operating system gives to other processes on a shared machine. It does not remove every
+interference (caches, memory bandwidth and sibling hyper-threads are shared: the same call can take up to twice
+as long under load), so the search repeats the points where noise can decide: a point whose P99 lies within
+``noise_band`` of the SLO is run ``repeats`` times and the majority decides.
+
+**Statistics.** P50/P99 are nearest-rank percentiles over the measured requests of a run. The SLO-compliant
+throughput is the highest QPS whose P99 <= SLO, found by a geometric sweep then bisection (each result is a
+passing QPS with a failing QPS just above it); the longest history is searched the same way over page-aligned
+lengths. The modes' searches run in lockstep (one evaluation of each mode in turn), so slow drift of a shared
+machine affects every mode alike. A run stops as soon as P99 > SLO is certain (enough requests over the SLO); its
+P99 is then a lower bound, marked as such. Every number in one report comes from one run of the benchmark."""
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -74,12 +94,24 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--data", help="interaction CSV (.csv/.csv.gz: user_id,item_id,timestamp[,action|rating]); "
                                   "default: a synthetic log from the packaged MovieLens-fitted profile")
     g.add_argument("--profile", help="workload profile JSON to synthesize from (default: the packaged one)")
-    g.add_argument("--requests", type=int, default=300, help="ranking requests per run")
+    g.add_argument("--requests", type=int, default=200, help="measured ranking requests per run (at least)")
+    g.add_argument("--min-duration-s", type=float, default=4.0,
+                   help="a run's measured requests span at least this much virtual time (more requests at high "
+                        "QPS, up to 4 x --requests), so a short burst cannot pass an overloaded QPS")
+    g.add_argument("--warmup-requests", type=int, default=None,
+                   help="requests served before the measured ones in every run (the log's preceding events), "
+                        "not measured, so the caches are in their steady state (default: 2 x requests, 1 x with "
+                        "--quick; with 2 x the share of measured requests whose user has no earlier request falls "
+                        "to ~15-20%%, near the ~6-8%% it converges to)")
     g.add_argument("--candidates", type=int, default=64, help="candidates per ranking request")
-    g.add_argument("--length-scale", type=float, default=4.0,
+    g.add_argument("--length-scale", type=float, default=8.0,
                    help="history tokens per real behavior (real logs are short: MovieLens median 70)")
-    g.add_argument("--max-history", type=int, default=512,
+    g.add_argument("--max-history", type=int, default=2048,
                    help="history cap in tokens (oldest dropped) of the throughput workload")
+    g.add_argument("--trim-tokens", type=int, default=None,
+                   help="a history over the cap loses its oldest tokens in blocks of this many, so a user's "
+                        "consecutive requests share their prefix (default: a quarter of the cap; 1: slide by one "
+                        "behavior per request)")
     g.add_argument("--suffix-tokens", type=int, default=16,
                    help="newest history tokens computed at ranking instead of pre-inferred")
     g.add_argument("--pipeline-delay-ms", type=float, default=50.0, help="retrieval-to-ranking delay")
@@ -96,6 +128,16 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--trigger-margin", type=float, default=0.1,
                    help="pre-infer when predicted full inference > margin * SLO")
     g.add_argument("--no-trigger", action="store_true", help="pre-infer every request the cache can take")
+    g.add_argument("--no-store-misses", action="store_true",
+                   help="do not keep the history KV of relay rankings that found nothing cached "
+                        "(RelayEngine(store_misses=False))")
+    g.add_argument("--baseline", default="paged", choices=[b.value for b in BaselineImpl],
+                   help="full inference of the baseline: 'paged' = the engine's attention op with no cache (the "
+                        "same kernels as relay), 'dense' = model.rank_full (the dense oracle)")
+    g.add_argument("--timer", default="auto", choices=["auto", "cpu", "wall"],
+                   help="service-time clock of the virtual-clock worker: 'cpu' = the thread's CPU time (robust "
+                        "to other processes on a shared machine; needs --device cpu --threads 1), 'wall' = "
+                        "perf_counter; 'auto' = cpu where valid, else wall")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (one worker)")
     g = ap.add_argument_group("search")
@@ -104,9 +146,13 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                                                  "(default: half the baseline's SLO-compliant throughput)")
     g.add_argument("--rel-tol", type=float, default=0.08, help="QPS bisection tolerance (relative)")
     g.add_argument("--len-step", type=int, default=32, help="history length resolution of the max-length search")
-    g.add_argument("--max-len-hi", type=int, default=2048,
+    g.add_argument("--max-len-hi", type=int, default=4096,
                    help="longest history the max-length search tries (the model's max_seq_len is the larger of "
                         "this and --max-history)")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="runs of a point whose P99 lies within --noise-band of the SLO (the majority decides)")
+    g.add_argument("--noise-band", type=float, default=0.25,
+                   help="relative distance of P99 from the SLO within which a point is repeated")
     g.add_argument("--full-runs", action="store_true",
                    help="never stop a run early (by default a run stops once P99 > SLO is certain; its curve "
                         "point is then a lower bound)")
@@ -121,9 +167,12 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
 
 def _apply_quick(args) -> None:
     if args.quick:
-        args.requests = min(args.requests, 200)
+        args.requests = min(args.requests, 100)
+        args.min_duration_s = min(args.min_duration_s, 1.5)
         args.rel_tol = max(args.rel_tol, 0.15)
-        args.len_step = max(args.len_step, 64)
+        args.len_step = max(args.len_step, 128)
+    if args.warmup_requests is None:
+        args.warmup_requests = (1 if args.quick else 2) * args.requests
 
 
 # ----------------------------------------------------------------------------------------------- pieces
@@ -147,8 +196,13 @@ def _model_config(args, num_items: int, num_actions: int):
                          max_seq_len=max(args.max_history, args.max_len_hi), num_tasks=2)
 
 
-def calibrate_latency(model, num_candidates: int, max_len: int, device: str, repeats: int = 3):
-    """Fit the trigger's latency model on this model's ``rank_full`` (a few seconds)."""
+def calibrate_latency(model, num_candidates: int, max_len: int, device: str, repeats: int = 3,
+                      impl: str = "paged", timer=time.perf_counter):
+    """Fit the trigger's latency model on the baseline's full inference of this model (a few seconds).
+
+    ``impl`` is the baseline's implementation (:class:`~relaygr_engine.bench.serving.BaselineImpl`), so the
+    trigger predicts what a ranking without a cache would cost here; ``timer`` is the benchmark's service-time clock.
+    """
     import torch
 
     from ..models import Behaviors
@@ -156,36 +210,60 @@ def calibrate_latency(model, num_candidates: int, max_len: int, device: str, rep
 
     cfg = model.config
     g = torch.Generator().manual_seed(0)
+    rank = model.rank_uncached if BaselineImpl(impl) is BaselineImpl.PAGED else model.rank_full
 
     def fn(L: int, C: int) -> None:
         L = max(L, 1)
         h = Behaviors(torch.randint(0, cfg.num_items, (L,), generator=g).to(device),
                       torch.randint(0, cfg.num_actions, (L,), generator=g).to(device),
                       torch.arange(L, dtype=torch.long).to(device) * 60)
-        model.rank_full(h, torch.randint(0, cfg.num_items, (C,), generator=g).to(device))
+        rank(h, torch.randint(0, cfg.num_items, (C,), generator=g).to(device))
 
-    lengths = sorted({min(max_len, x) for x in (32, 128, 256, 384, 512, 768, 1024)})
-    return calibrate(fn, lengths, [num_candidates], repeats, warmup=1, quantile=0.75, device=device,
-                     meta={"model": "benchmark model", "candidates": num_candidates})
+    grid = (32, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    lengths = sorted({min(max_len, x) for x in grid})
+    return calibrate(fn, lengths, [num_candidates], repeats, warmup=1, quantile=0.75, timer=timer, device=device,
+                     meta={"model": "benchmark model", "candidates": num_candidates, "baseline": impl})
+
+
+def _timer(args):
+    """The service-time clock ``--timer`` names (``auto``: thread CPU time on one CPU thread, else wall)."""
+    cpu_ok = str(args.device).startswith("cpu") and max(1, args.threads) == 1
+    if args.timer == "cpu" and not cpu_ok:
+        raise ValueError(f"--timer cpu needs --device cpu and --threads 1 (the job's compute on this thread), got "
+                         f"--device {args.device} --threads {args.threads}")
+    if args.timer == "cpu" or (args.timer == "auto" and cpu_ok):
+        return cpu_timer, "thread CPU time"
+    return time.perf_counter, "wall time (perf_counter)"
 
 
 class _Bench:
     """Everything one benchmark run shares: model, latency model, workloads, options, progress bar."""
 
-    def __init__(self, args, log: InteractionLog, model, latency_model, progress) -> None:
+    def __init__(self, args, log: InteractionLog, model, latency_model, progress, timer=time.perf_counter) -> None:
         self.args, self.log, self.model, self.lat, self.progress = args, log, model, latency_model, progress
+        self.timer = timer
         self._workloads: dict = {}
 
     def workload(self, base_length: Optional[int] = None) -> Workload:
+        """The whole stream: warm-up requests, then up to ``_MAX_REQUESTS_FACTOR * --requests`` measured ones."""
         a = self.args
         if base_length not in self._workloads:
             cap = a.max_history if base_length is None else max(a.max_history, a.max_len_hi)
             cfg = WorkloadConfig(num_items=self.model.config.num_items, num_actions=self.model.config.num_actions,
-                                 num_requests=a.requests, num_candidates=a.candidates, length_scale=a.length_scale,
+                                 num_requests=_MAX_REQUESTS_FACTOR * a.requests, warmup_requests=a.warmup_requests,
+                                 num_candidates=a.candidates, length_scale=a.length_scale,
                                  base_length=base_length, max_history=cap, suffix_tokens=a.suffix_tokens,
+                                 trim_tokens=a.trim_tokens or max(1, cap // 4),
                                  pipeline_delay_s=a.pipeline_delay_ms / 1e3, seed=a.seed)
             self._workloads[base_length] = build_workload(self.log, cfg)
         return self._workloads[base_length]
+
+    def at(self, qps: float, base_length: Optional[int] = None) -> Workload:
+        """The stream one run at ``qps`` serves: the warm-up, then the first ``max(--requests, --min-duration-s *
+        qps)`` measured requests (so every run's measured window lasts long enough for queues to build)."""
+        w = self.workload(base_length)
+        n = min(len(w.measured), max(self.args.requests, math.ceil(self.args.min_duration_s * qps)))
+        return Workload(w.requests[:w.num_warmup + n], w.config, w.info)
 
     def service(self, mode: str, trigger: bool = True):
         from ..config import CacheConfig
@@ -194,7 +272,7 @@ class _Bench:
 
         a = self.args
         if mode == Mode.BASELINE.value:
-            return BaselineService(self.model, a.device)
+            return BaselineService(self.model, a.device, impl=a.baseline)
         dram = int(a.dram_mb * 2**20) if mode == Mode.RELAY.value else 0
         cc = CacheConfig(device=a.device, page_size=16, hbm_bytes=int(a.hbm_mb * 2**20),
                          lease_ttl_s=a.lease_ms / 1e3, dram_bytes=dram)
@@ -202,23 +280,41 @@ class _Bench:
         if trigger and not a.no_trigger:
             hook = TriggerHook(SequenceAwareTrigger(self.lat, TriggerConfig(
                 slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)))
-        engine = RelayEngine(self.model, cc, trigger=hook)
+        engine = RelayEngine(self.model, cc, trigger=hook, store_misses=not a.no_store_misses)
         return RelayService(engine, hook, chunk_tokens=a.chunk_tokens, device=a.device)
 
     def run(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "",
             early_stop: bool = False) -> dict:
         """Serve one workload at one QPS in one mode; with ``early_stop``, stop once P99 > SLO is certain."""
-        w = self.workload(base_length)
+        w = self.at(qps, base_length)
         svc = self.service(mode)
         svc.prepare(w.requests)
         if self.progress is not None:
             self.progress.set_description(f"{mode} {label or f'{qps:.3g} QPS'}")
-        n = len(w)
+        n = len(w.measured)
         stop = None
         if early_stop and not self.args.full_runs:
             stop = (self.args.slo_ms / 1e3, n - math.ceil(0.99 * n) + 1)   # that many over SLO: P99 > SLO
-        res = simulate(svc, w, qps, mode=mode, progress=self.progress, stop_over=stop)
+        res = simulate(svc, w, qps, mode=mode, timer=self.timer, progress=self.progress, stop_over=stop)
         return summarize(res)
+
+    def judge(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "") -> tuple[bool, dict]:
+        """Whether P99 <= SLO at one point: one run, plus ``--repeats - 1`` more when its P99 lies within
+        ``--noise-band`` of the SLO (where timing noise can flip the outcome); the majority of runs decides.
+
+        Returns the verdict and the summary of the run with the median P99, with ``p99_runs_ms`` (every run's
+        P99; a run stopped early gives a lower bound) and ``passed_runs``.
+        """
+        a = self.args
+        runs = [self.run(mode, qps, base_length, label, early_stop=True)]
+        if a.repeats > 1 and a.slo_ms / (1 + a.noise_band) <= runs[0]["p99_ms"] <= a.slo_ms * (1 + a.noise_band):
+            runs += [self.run(mode, qps, base_length, label, early_stop=True) for _ in range(a.repeats - 1)]
+        passed = [r["p99_ms"] <= a.slo_ms and not r["stopped_early"] for r in runs]
+        ok = 2 * sum(passed) > len(runs)
+        order = sorted(range(len(runs)), key=lambda i: (not passed[i], runs[i]["p99_ms"]))
+        chosen = dict(runs[order[len(runs) // 2]])
+        chosen.update(p99_runs_ms=[r["p99_ms"] for r in runs], passed_runs=int(sum(passed)))
+        return ok, chosen
 
 
 def summarize(res) -> dict:
@@ -227,11 +323,11 @@ def summarize(res) -> dict:
     src = res.source_counts()
     n = max(1, len(res.sources))
     s.update({
-        "qps": res.qps, "utilization": res.busy_s / max(res.makespan_s, 1e-12),
+        "qps": res.qps, "utilization": res.work_s / max(res.makespan_s - res.window_start_s, 1e-12),
         "stopped_early": bool(res.stopped_early), "completed": int(len(res.latency_s)),
         "num_requests": int(res.num_requests),
         "mean_service_ms": float(np.mean(res.service_s) * 1e3), "sources": src,
-        "work_ms_per_request": res.busy_s * 1e3 / max(1, len(res.latency_s)),
+        "work_ms_per_request": res.work_s * 1e3 / max(1, len(res.latency_s)),
         "hit_rates": {k: v / n for k, v in src.items()},
         "prefill": {k: v for k, v in res.prefill.items()}, "wall_s": res.wall_s,
         "history_len_mean": float(np.mean(res.history_len)), "loadavg_1m": _loadavg(),
@@ -280,25 +376,31 @@ def run(args) -> dict:
                          device=args.device)
     _say(f"workload: {source}")
     t0 = time.perf_counter()
+    timer, timer_name = _timer(args)
     lat = calibrate_latency(model, args.candidates, max(args.max_history, args.max_len_hi), args.device,
-                            repeats=5)
+                            repeats=5, impl=args.baseline, timer=timer)
     base_max = lat.max_history_len(args.slo_ms, args.candidates)
+    _say(f"service times: {timer_name}; baseline full inference: {args.baseline} "
+         f"({'model.rank_uncached' if args.baseline == 'paged' else 'model.rank_full'})")
     _say(f"calibrated full inference on this model in {time.perf_counter() - t0:.1f}s: "
-         f"{lat.predict_ms(256, args.candidates):.1f} ms @256, {lat.predict_ms(1024, args.candidates):.1f} ms "
-         f"@1024 tokens; longest history within {args.slo_ms:g} ms unloaded ~{base_max}")
+         + ", ".join(f"{lat.predict_ms(L, args.candidates):.1f} ms @{L}" for L in (256, 1024, 2048))
+         + f" tokens; longest history within {args.slo_ms:g} ms unloaded ~{base_max}")
 
     progress = _progress(args)
-    bench = _Bench(args, log, model, lat, progress)
-    main_wl = bench.workload()
+    bench = _Bench(args, log, model, lat, progress, timer)
+    main_wl = bench.at(0.0)  # warm-up + the --requests measured requests every run serves at least
     d = main_wl.describe()
-    mean_ms = float(np.mean([lat.predict_ms(int(L), args.candidates) for L in main_wl.history_lengths()]))
-    _say(f"served stream: {d['requests']} requests of {d['users']} users, history tokens p50 "
+    mean_ms = float(np.mean([lat.predict_ms(int(L), args.candidates)
+                             for L in main_wl.history_lengths()[main_wl.num_warmup:]]))
+    _say(f"served stream: {d['warmup_requests']} warm-up + {d['requests']} measured requests (more at high QPS: "
+         f">= {args.min_duration_s:g} s each run) of {d['users']} users, history tokens p50 "
          f"{d['history_len_p50']:.0f} / p90 {d['history_len_p90']:.0f} / max {d['history_len_max']} "
          f"(length scale {args.length_scale:g}, cap {args.max_history}); predicted mean full inference "
          f"{mean_ms:.1f} ms")
     # warm up every mode's code paths (the first calls import, allocate and initialise): relay modes without the
     # trigger so pre-infers, chunk extensions and cached rankings all run
-    warm = Workload(main_wl.requests[:24], main_wl.config, main_wl.info)
+    warm = Workload([dataclasses.replace(r, warmup=False) for r in main_wl.requests[:24]], main_wl.config,
+                    main_wl.info)
     for m in modes:
         svc = bench.service(m, trigger=False)
         svc.prepare(warm.requests)
@@ -312,11 +414,11 @@ def run(args) -> dict:
 
     def at_qps(m):
         def evaluate(q):
-            s = bench.run(m, q, early_stop=True)
+            ok, s = bench.judge(m, q)
             qpoints[m][q] = s
             _say(f"  {m:<18} {q:8.3g} QPS  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  busy "
-                 f"{s['utilization']:4.0%}  {_verdict(s, args.slo_ms)}")
-            return s["p99_ms"] <= args.slo_ms and not s["stopped_early"], None
+                 f"{s['utilization']:4.0%}  {_verdict(s, args.slo_ms, ok)}")
+            return ok, None
         return evaluate
 
     found = rpt.search_lockstep({m: (rpt.search_steps(start_qps, lo=start_qps / 256, hi=start_qps * 256, factor=2.0,
@@ -332,7 +434,10 @@ def run(args) -> dict:
     for m in modes:
         s = bench.run(m, ref_qps, label=f"{ref_qps:.3g} QPS (reference)")
         results[m]["at_ref"] = s
-        _say(f"  {m:<18} @ref p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  sources {s['sources']}")
+        _say(f"  {m:<18} @ref p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  busy {s['utilization']:.0%}  "
+             f"work {s['work_ms_per_request']:.1f} ms/request  sources {s['sources']}")
+        if m != "baseline":
+            _say("  " + " " * 18 + " " + _prefill_line(s))
 
     if not args.no_max_len:
         step = args.len_step
@@ -343,22 +448,23 @@ def run(args) -> dict:
         def at_len(m):
             def evaluate(L):
                 L = int(L)
-                s = bench.run(m, ref_qps, base_length=L, label=f"L={L}", early_stop=True)
+                ok, s = bench.judge(m, ref_qps, base_length=L, label=f"L={L}")
                 lpoints[m][L] = s
                 _say(f"  {m:<18} L={L:5d}  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  "
-                     f"{_verdict(s, args.slo_ms)}")
-                return s["p99_ms"] <= args.slo_ms and not s["stopped_early"], None
+                     f"{_verdict(s, args.slo_ms, ok)}")
+                return ok, None
             return evaluate
 
         found = rpt.search_lockstep({m: (rpt.search_steps(start_len, lo=step, hi=args.max_len_hi, factor=2.0,
                                                           integer=True, step=step,
-                                                          max_evals=10 if args.quick else 14), at_len(m))
+                                                          max_evals=8 if args.quick else 14), at_len(m))
                                      for m in modes})
         for m in modes:
             results[m]["max_len"] = dict(found[m].to_dict(), curve=[
                 {"length": L, "p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"], "sources": s["sources"],
                  "history_len_mean": s["history_len_mean"], "stopped_early": s["stopped_early"],
-                 "completed": s["completed"], "num_requests": s["num_requests"]}
+                 "completed": s["completed"], "num_requests": s["num_requests"],
+                 "p99_runs_ms": s.get("p99_runs_ms", []), "passed_runs": s.get("passed_runs")}
                 for L, s in sorted(lpoints[m].items())])
     if progress is not None:
         progress.close()
@@ -389,14 +495,30 @@ def run(args) -> dict:
     return report
 
 
+def _prefill_line(s: dict) -> str:
+    """One line on a relay run's pre-inferences: what ran, what was in time, what the rankings found."""
+    pf, es = s["prefill"], s["engine_stats"]
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(pf.get("refused", {}).items())) or "none"
+    return (f"pre-infers: {pf['signals']} signals, {pf['started']} started, {pf['admitted']} done before their "
+            f"ranking, {pf['cut_short']} cut short, {pf['dropped_stale']} dropped (ranking came first), refused: "
+            f"{refused}; {pf['service_s'] * 1e3 / max(1, s['completed']):.1f} ms/request; "
+            f"prefix copies {es.get('prefill_copies', 0)}, stale tickets {es.get('stale_tickets', 0)}, "
+            f"cached tokens/ranking {es.get('cached_tokens', 0) / max(1, es.get('rank_requests', 1)):.0f}")
+
+
 def _fmt_load(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def _verdict(s: dict, slo_ms: float) -> str:
-    if s["stopped_early"]:
+def _verdict(s: dict, slo_ms: float, ok: Optional[bool] = None) -> str:
+    runs = s.get("p99_runs_ms", [])
+    votes = (f" ({s['passed_runs']}/{len(runs)} runs pass: p99 " + ", ".join(f"{v:.0f}" for v in runs) + " ms)"
+             if len(runs) > 1 else "")
+    if ok is None:
+        ok = s["p99_ms"] <= slo_ms and not s["stopped_early"]
+    if s["stopped_early"] and not votes:
         return f"over SLO (stopped after {s['completed']}/{s['num_requests']} requests)"
-    return "ok" if s["p99_ms"] <= slo_ms else "over SLO"
+    return ("ok" if ok else "over SLO") + votes
 
 
 def _ratio(a, b) -> Optional[float]:
@@ -433,18 +555,26 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
     d = wl.describe(qps=ref_qps)
     return {
         "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "baseline": (f"{args.baseline}: " + ("model.rank_uncached (the engine's attention op, no cache)"
+                                             if args.baseline == "paged" else "model.rank_full (dense oracle)")),
+        "service_time_clock": _timer(args)[1],
         "model": {"attention": cfg.attention.value, "num_layers": cfg.num_layers, "hidden_dim": cfg.hidden_dim,
                   "num_heads": cfg.num_heads, "head_dim": cfg.head_dim, "num_items": cfg.num_items,
                   "num_actions": cfg.num_actions, "max_seq_len": cfg.max_seq_len},
         "cache": {"page_size": 16, "hbm_mb": args.hbm_mb, "dram_mb_relay": args.dram_mb,
-                  "lease_ms": args.lease_ms, "chunk_tokens": args.chunk_tokens},
+                  "lease_ms": args.lease_ms, "chunk_tokens": args.chunk_tokens,
+                  "store_misses": not args.no_store_misses},
         "trigger": ("off (every pre-infer the cache can take)" if args.no_trigger else
                     {"kind": "SequenceAwareTrigger", "margin": args.trigger_margin,
                      "latency_model_ms": {"a": lat.a, "b": lat.b, "c": lat.c, "d": lat.d}}),
         "workload_source": source,
-        "length": (f"length_scale={args.length_scale:g} tokens per real behavior, cap {args.max_history} tokens; "
-                   f"max-length search: base length L per user's first request"),
-        "requests": args.requests, "candidates": args.candidates, "pipeline_delay_ms": args.pipeline_delay_ms,
+        "length": (f"length_scale={args.length_scale:g} tokens per real behavior, cap {args.max_history} tokens "
+                   f"(oldest dropped in blocks of {args.trim_tokens or max(1, args.max_history // 4)}); max-length "
+                   f"search: base length L per user's first request, up to {args.max_len_hi}"),
+        "repeats": (f"a point whose P99 is within {args.noise_band:.0%} of the SLO is run {args.repeats} times; the "
+                    f"majority decides" if args.repeats > 1 else "one run per point"),
+        "requests": args.requests, "warmup_requests": args.warmup_requests, "candidates": args.candidates,
+        "pipeline_delay_ms": args.pipeline_delay_ms,
         "suffix_tokens": args.suffix_tokens, "slo_ms": args.slo_ms, "ref_qps": ref_qps, "quick": bool(args.quick),
         "cpu_count": os.cpu_count(),
         "workload": {k: v for k, v in d.items() if not isinstance(v, (dict, list))},

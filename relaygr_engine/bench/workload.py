@@ -34,8 +34,10 @@ Time compression (:func:`compress_times`)
     production, where the active users are a sample of the population): user ``u`` gets a seeded random anchor
     event ``a_u`` (uniform over its events) and the offset ``o_u = U_u * cap - c_{a_u}`` with
     ``U_u ~ Uniform[0, 1)``, so its anchor lands at a uniform time in ``[0, cap)``. All events are ordered globally
-    by ``s = o_u + c_k`` and the served window is the ``num_requests`` consecutive eligible events centred on
-    ``s = cap / 2``. (On MovieLens, 400 requests come from 183 users, median history 59 behaviors, and 54% of the
+    by ``s = o_u + c_k`` and the measured window is the ``num_requests`` consecutive eligible events centred on
+    ``s = cap / 2``, preceded by ``warmup_requests`` more (the events just before it, served but not measured:
+    a serving system runs continuously, so the measured requests meet caches and queues in their steady state
+    rather than empty). (On MovieLens, 400 requests come from 183 users, median history 59 behaviors, and 54% of the
     requests follow an earlier one of the same user.)
     Finally :meth:`Workload.arrivals` rescales the window linearly so that its mean rate is the target QPS:
     ``arrival_i = (s_i - s_0) * (n - 1) / (qps * (s_{n-1} - s_0))``. The linear rescale keeps every ratio of a
@@ -49,7 +51,9 @@ History length
     ``base_length = L`` (the max-length experiment) gives each user's first served request exactly ``L`` tokens (the
     oldest dropped, or synthetic older behaviors prepended), and later requests of that user append to it: prefixes
     stay stable. ``max_history`` is a hard cap (oldest tokens dropped) that keeps histories within the model's
-    ``max_seq_len``.
+    ``max_seq_len``. The oldest tokens go in blocks of ``trim_tokens``: a production long-term sequence is
+    truncated now and then, not shifted by one behavior per request, so a user's consecutive requests share
+    their prefix (with ``trim_tokens = 1`` every new behavior of a capped user changes the whole prefix).
 
 Synthetic logs (:func:`fit_profile`, :func:`synthesize_interactions`)
     The package ships a profile fitted to MovieLens ml-latest-small (empirical quantiles of events per user and of
@@ -300,7 +304,9 @@ class WorkloadConfig:
     num_items, num_actions : int
         The model's vocabulary sizes; item and action ids are mapped into them.
     num_requests : int
-        Requests in the served window.
+        Requests in the measured window.
+    warmup_requests : int
+        Requests served before the measured window (the log's preceding events), not measured.
     num_candidates : int
         Candidates per ranking request: the event's own item plus popularity-sampled others.
     length_scale : float
@@ -309,6 +315,11 @@ class WorkloadConfig:
         Each user's first served request carries exactly this many tokens (max-length experiment).
     max_history : int
         Hard cap on history tokens (oldest dropped).
+    trim_tokens : int
+        The oldest tokens beyond the cap are dropped in blocks of this many (counted from the user's first token),
+        so a capped history holds ``max_history - trim_tokens + 1 .. max_history`` tokens and consecutive
+        requests of a user share their prefix until the next block boundary (1: drop exactly the excess, the
+        window slides with every new behavior).
     suffix_tokens : int
         Newest history tokens left out of the pre-inferred prefix (the short-term behaviors computed at ranking).
     min_history : int
@@ -323,10 +334,12 @@ class WorkloadConfig:
     num_items: int
     num_actions: int
     num_requests: int = 400
+    warmup_requests: int = 0
     num_candidates: int = 64
     length_scale: float = 1.0
     base_length: Optional[int] = None
     max_history: int = 4096
+    trim_tokens: int = 1
     suffix_tokens: int = 16
     min_history: int = 1
     pipeline_delay_s: float = 0.05
@@ -335,10 +348,14 @@ class WorkloadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_items", "num_actions", "num_requests", "num_candidates", "max_history", "min_history"):
+        for name in ("num_items", "num_actions", "num_requests", "num_candidates", "max_history", "min_history",
+                     "trim_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.warmup_requests, int) or isinstance(self.warmup_requests, bool) \
+                or self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be an integer >= 0, got {self.warmup_requests!r}")
         if not isinstance(self.suffix_tokens, int) or self.suffix_tokens < 0:
             raise ValueError(f"suffix_tokens must be an integer >= 0, got {self.suffix_tokens!r}")
         if not (isinstance(self.length_scale, (int, float)) and math.isfinite(self.length_scale)
@@ -377,6 +394,8 @@ class Request:
         The event's own timestamp (seconds; the candidates' time).
     offset_s : float
         Compressed time since the window's first request (see :meth:`Workload.arrivals`).
+    warmup : bool
+        Served before the measured window, not measured.
     """
 
     index: int
@@ -388,6 +407,7 @@ class Request:
     candidates: np.ndarray
     request_ts: int
     offset_s: float
+    warmup: bool = False
 
     @property
     def history_len(self) -> int:
@@ -421,16 +441,30 @@ class Workload:
             return np.arange(n, dtype=np.float64) / qps
         return off * ((n - 1) / (qps * off[-1]))
 
+    @property
+    def num_warmup(self) -> int:
+        """Warm-up requests (served first, not measured)."""
+        return sum(1 for r in self.requests if r.warmup)
+
+    @property
+    def measured(self) -> list[Request]:
+        """The measured requests (those after the warm-up), in arrival order."""
+        return self.requests[self.num_warmup:]
+
     def history_lengths(self) -> np.ndarray:
+        """History tokens of every request (warm-up included), in arrival order."""
         return np.asarray([r.history_len for r in self.requests], dtype=np.int64)
 
     def describe(self, qps: Optional[float] = None) -> dict:
-        """Summary numbers: history length quantiles, users, same-user re-requests (and their gaps at ``qps``)."""
-        lens = self.history_lengths()
+        """Summary numbers of the measured requests: history length quantiles, users, same-user re-requests (and
+        their gaps at ``qps``; a re-request may follow a warm-up request)."""
+        W = self.num_warmup
+        lens = self.history_lengths()[W:]
         users = np.asarray([r.user_id for r in self.requests])
         d = dict(self.info)
         d.update({
-            "requests": len(self.requests), "users": int(np.unique(users).shape[0]),
+            "requests": len(self.requests) - W, "warmup_requests": W,
+            "users": int(np.unique(users[W:]).shape[0]),
             "history_len_p50": float(np.median(lens)) if lens.size else 0.0,
             "history_len_p90": float(np.quantile(lens, 0.9)) if lens.size else 0.0,
             "history_len_max": int(lens.max()) if lens.size else 0,
@@ -440,11 +474,11 @@ class Workload:
             arr = self.arrivals(qps)
             last: dict[int, float] = {}
             gaps = []
-            for u, a in zip(users.tolist(), arr.tolist()):
-                if u in last:
+            for i, (u, a) in enumerate(zip(users.tolist(), arr.tolist())):
+                if u in last and i >= W:
                     gaps.append(a - last[u])
                 last[u] = a
-            d["rerequest_share"] = len(gaps) / len(self.requests)
+            d["rerequest_share"] = len(gaps) / max(1, len(self.requests) - W)
             d["rerequest_gap_p50_s"] = float(np.median(gaps)) if gaps else float("nan")
         return d
 
@@ -509,13 +543,15 @@ def build_workload(log: InteractionLog, config: WorkloadConfig) -> Workload:
     glob = np.repeat(offsets, lens) + comp
 
     eligible = np.flatnonzero(pos >= cfg.min_history)
-    if eligible.shape[0] < cfg.num_requests:
+    total = cfg.warmup_requests + cfg.num_requests
+    if eligible.shape[0] < total:
         raise ValueError(f"the log has {eligible.shape[0]} events with >= min_history={cfg.min_history} earlier "
-                         f"behaviors; num_requests={cfg.num_requests} needs at least that many")
+                         f"behaviors; num_requests={cfg.num_requests} + warmup_requests={cfg.warmup_requests} needs "
+                         f"at least that many")
     order = eligible[np.lexsort((pos[eligible], users[eligible], glob[eligible]))]
     mid = int(np.searchsorted(glob[order], 0.5 * cfg.gap_cap_s))
-    lo = min(max(0, mid - cfg.num_requests // 2), order.shape[0] - cfg.num_requests)
-    window = order[lo:lo + cfg.num_requests]
+    lo = min(max(cfg.warmup_requests, mid - cfg.num_requests // 2), order.shape[0] - cfg.num_requests)
+    window = order[lo - cfg.warmup_requests:lo + cfg.num_requests]
 
     # candidate sampler: item popularity (mapped ids) in the whole log
     pop = np.bincount(items, minlength=cfg.num_items).astype(np.float64)
@@ -547,8 +583,8 @@ def build_workload(log: InteractionLog, config: WorkloadConfig) -> Workload:
                 end = int(ends[k])
             else:
                 begin = drop
-        if end - begin > cfg.max_history:
-            begin = end - cfg.max_history
+        if end - begin > cfg.max_history:  # drop the oldest tokens in whole blocks of trim_tokens
+            begin += -(-(end - begin - cfg.max_history) // cfg.trim_tokens) * cfg.trim_tokens
             capped += 1
         hist = slice(begin, end)
         c = cfg.num_candidates
@@ -562,12 +598,14 @@ def build_workload(log: InteractionLog, config: WorkloadConfig) -> Workload:
         requests.append(Request(
             index=idx, user_id=user, item_ids=t_items[hist], action_ids=t_acts[hist], timestamps=t_times[hist],
             prefix_len=max(0, L - cfg.suffix_tokens), candidates=cands, request_ts=int(times[ev]),
-            offset_s=float(glob[ev] - t0)))
+            offset_s=float(glob[ev] - t0), warmup=idx < cfg.warmup_requests))
     info = {
         "source": log.source, "log_events": len(log), "log_users": int(starts.shape[0]),
         "items": item_info, "action_kind": log.action_kind, "length_scale": float(cfg.length_scale),
-        "base_length": cfg.base_length, "max_history": cfg.max_history, "capped_requests": capped,
+        "base_length": cfg.base_length, "max_history": cfg.max_history, "trim_tokens": cfg.trim_tokens,
+        "capped_requests": capped,
         "suffix_tokens": cfg.suffix_tokens, "num_candidates": cfg.num_candidates,
+        "warmup_requests": cfg.warmup_requests,
         "pipeline_delay_s": cfg.pipeline_delay_s, "gap_cap_s": cfg.gap_cap_s, "gap_floor_s": cfg.gap_floor_s,
     }
     return Workload(requests, cfg, info)

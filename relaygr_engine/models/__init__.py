@@ -5,7 +5,8 @@ embeddings), then the candidates. History token ``t`` sits at position ``t``; ev
 ``T`` (the history length). History attention is causal; each candidate attends to all history tokens and to
 itself only (target mask), so a candidate's score never depends on the other candidates in the request.
 
-``GRRanker.rank_full`` scores a request with dense masked attention (the oracle and the no-cache baseline);
+``GRRanker.rank_full`` scores a request with dense masked attention (the oracle); ``GRRanker.rank_uncached``
+computes the same scores with no cache through the paged op (the efficient no-cache baseline);
 ``GRRanker.forward_paged`` runs new rows of many users over their cached prefix pages through
 :func:`relaygr_engine.ops.paged_prefix_attention` (what :class:`relaygr_engine.RelayEngine` uses).
 

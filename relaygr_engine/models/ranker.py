@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..ops import paged_prefix_attention, time_buckets
+from ..config import AttentionBackend, parse_choice
+from ..ops import AttentionMode, _dispatch, paged_prefix_attention, time_buckets
 from .behaviors import Behaviors
 from .config import GRModelConfig
 from .layers import make_layer
@@ -59,6 +60,7 @@ class GRRanker(nn.Module):
         self.task_heads = nn.Linear(d, config.num_tasks)
         self._identity_key: Optional[tuple] = None
         self._identity = 0
+        self._param_slots: Optional[list] = None
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -76,8 +78,12 @@ class GRRanker(nn.Module):
         It is recomputed whenever a parameter tensor changes: ``load_state_dict`` (also flagged explicitly),
         in-place edits (tracked by tensor version counters), ``.to(...)``. So cached prefixes computed with other
         weights are never reused. Models with equal config and weights share an identity (on any device).
+        Replacing a submodule after construction is not tracked: call :meth:`mark_weights_changed` then.
         """
-        key = tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
+        if self._param_slots is None:  # where each parameter lives; re-read on every call (cheap dict lookups)
+            self._param_slots = [(m._parameters, name) for m in self.modules() for name in m._parameters
+                                 if m._parameters[name] is not None]
+        key = tuple((id(p), p.data_ptr(), p._version) for p in (d[name] for d, name in self._param_slots))
         if key != self._identity_key:
             h = hashlib.blake2b(repr(self.config).encode(), digest_size=8)
             for name, p in self.named_parameters():
@@ -90,6 +96,12 @@ class GRRanker(nn.Module):
     def mark_weights_changed(self) -> None:
         """Force :attr:`identity` to be recomputed (e.g. after editing parameters through ``.data``)."""
         self._identity_key = None
+        self._param_slots = None
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        self.mark_weights_changed()
+        return result
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -264,12 +276,20 @@ class GRRanker(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches must hold {len(self.layers)} layers, got {len(kv_caches)}")
         kv = []
-        for layer, cache in zip(self.layers, kv_caches):
+        first = kv_caches[0] if len(kv_caches) else None
+        be = parse_choice(AttentionBackend, backend, "backend")
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             q, k, v, aux = layer.project(x)
-            o = paged_prefix_attention(q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), cache, kv_indptr,
-                                       kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
-                                       ts_cache=ts_cache, ts_q=ts_q, backend=backend,
-                                       **layer.op_kwargs(use_time=ts_q is not None))
+            kw = layer.op_kwargs(use_time=ts_q is not None)
+            args = (q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), cache, kv_indptr, kv_indices,
+                    kv_last_page_len, cu_seqlens_q, num_candidates)
+            same = (i > 0 and isinstance(cache, torch.Tensor) and cache.shape == first.shape
+                    and cache.dtype == first.dtype and cache.device == first.device)
+            if same:  # the page table and rows were validated with the first layer
+                o = _dispatch(*args, AttentionMode(kw["mode"]), kw["scale"], kw.get("hstu_norm", 1.0),
+                              kw.get("pos_bias"), kw.get("ts_bias"), ts_cache, ts_q, be)
+            else:
+                o = paged_prefix_attention(*args, ts_cache=ts_cache, ts_q=ts_q, backend=be, **kw)
             x = layer.finish(x, o.to(x.dtype), aux)
             kv.append((k, v))
         return x, kv
@@ -315,6 +335,31 @@ class GRRanker(nn.Module):
             q, k, v, aux = layer.project(x)
             x = layer.finish(x, layer.attend_dense(q, k, v, visible, dist, buckets), aux)
         return self.score(x[T:])
+
+    @torch.inference_mode()
+    def rank_uncached(self, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None,
+                      backend: str = "torch") -> torch.Tensor:
+        """Score candidates with no cache through the paged attention op (an empty prefix): full inference.
+
+        Computes every history token and candidate like :meth:`rank_full` (equal scores up to fp32 rounding), but
+        with the varlen kernels the cached path uses (causal blocks, no masked-out ``N x N`` work, no dense bias
+        tables), so it is the efficient no-cache baseline: compared with a cached ranking, the only difference
+        is the cache.
+
+        Returns
+        -------
+        Tensor [C, num_tasks]
+        """
+        t_req = self.check_inputs(history, candidates, request_time)
+        T, C = self.num_tokens(history), candidates.numel()
+        x = self.embed_rows(history, 0, candidates)
+        ts = self.row_timestamps(history, 0, C, t_req)
+        dev, cfg = x.device, self.config
+        empty = torch.empty((0, 2, 1, cfg.num_heads, cfg.head_dim), dtype=x.dtype, device=dev)
+        i32 = (lambda *v: torch.tensor(v, dtype=torch.int32, device=dev))
+        h, _ = self.forward_paged(x, [empty] * cfg.num_layers, i32(0, 0), i32(), i32(0), i32(0, T + C), i32(C),
+                                  ts_q=ts, backend=backend)
+        return self.score(h[T:])
 
     def forward(self, history: Behaviors, candidates: torch.Tensor,
                 request_time: Optional[int] = None) -> torch.Tensor:
