@@ -22,6 +22,16 @@ def pool_cls(request):
     return IMPLS[request.param]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module with one intra-op thread: its tensors are tiny, and OpenMP oversubscription on shared CI
+    machines made such tests many times slower. Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_report_header(config):
     return f"relaygr pool implementations: {sorted(IMPLS)}" + (f" (extension: {EXTENSION_ERROR})"
                                                                if EXTENSION_ERROR else "")

@@ -17,13 +17,7 @@ ATOL = 1e-4
 KINDS = ("hstu", "softmax")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP oversubscription on shared CI machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(attention="hstu", context=0, seed=0):

@@ -19,13 +19,7 @@ NB = 9  # time buckets
 POS = 33  # position-bias entries
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP oversubscription on shared CI machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
