@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -89,11 +88,11 @@ import torch
 from .cache import PagedKVCache
 from .config import CacheConfig
 from .models import Behaviors, GRRanker
+from .policy._checks import user_id as _user_id
 from .tiers import DramEntry, HostKVTier, ReloadCostModel
 
 __all__ = ["PrefixTicket", "RankRequest", "RankResult", "RelayEngine"]
 
-_U64 = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -209,18 +208,6 @@ class _Pin:
     pages: np.ndarray
     num_tokens: int
     broken: bool = False  # its KV could not be completed: free it
-
-
-def _user_id(value) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {value!r}")
-    try:
-        u = operator.index(value)
-    except TypeError:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {type(value).__name__}") from None
-    if not 0 <= u < _U64:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {u}")
-    return u
 
 
 def _clock(now) -> float:

@@ -20,6 +20,19 @@ def count(name: str, value, minimum: int = 0) -> int:
     return v
 
 
+def user_id(value) -> int:
+    """A user id: an int in ``[0, 2**64)`` (bools are refused)."""
+    if isinstance(value, bool):
+        raise ValueError(f"user_id must be an integer in [0, 2**64), got {value!r}")
+    try:
+        u = operator.index(value)
+    except TypeError:
+        raise ValueError(f"user_id must be an integer in [0, 2**64), got {type(value).__name__}") from None
+    if not 0 <= u < 1 << 64:
+        raise ValueError(f"user_id must be an integer in [0, 2**64), got {u}")
+    return u
+
+
 def number(name: str, value, *, low: float = -math.inf, high: float = math.inf,
            low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite float in the interval ``low..high`` (bounds closed unless ``*_open``)."""

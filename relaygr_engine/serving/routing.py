@@ -20,10 +20,10 @@ place a user on the same replica.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from ..policy import _checks
 from ..policy.router import order_bounded, rank_replicas
 
 __all__ = ["RouteKey", "route_order", "accepts_prefill", "parse_user_id", "SESSION_HEADER"]
@@ -31,7 +31,6 @@ __all__ = ["RouteKey", "route_order", "accepts_prefill", "parse_user_id", "SESSI
 SESSION_HEADER = "x-session-id"
 """Serve's default session-id header (``RAY_SERVE_SESSION_ID_HEADER_KEY`` renames it); it carries the route key."""
 
-_U64 = 1 << 64
 
 
 def parse_user_id(value) -> int:
@@ -41,15 +40,7 @@ def parse_user_id(value) -> int:
         if not value.isdigit():
             raise ValueError(f"user_id must be a decimal integer in [0, 2**64), got {value!r}")
         value = int(value)
-    if isinstance(value, bool):
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {value!r}")
-    try:
-        u = operator.index(value)
-    except TypeError:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {type(value).__name__}") from None
-    if not 0 <= u < _U64:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {u}")
-    return u
+    return _checks.user_id(value)
 
 
 def _replica(name: str, value) -> str:
