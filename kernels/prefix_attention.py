@@ -84,7 +84,7 @@ def _prefix_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
-    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid = tl.program_id(0)
@@ -93,8 +93,16 @@ def _prefix_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     qk_scale = scale * LOG2E
+    if PERSISTENT:
+        work_end = num_work
+        work_step = num_programs
+    else:
+        # One tile per program: a single-trip loop the compiler removes, so nothing is hoisted out of it and kept
+        # live across the key loops (a runtime-bounded loop here costs registers: ptxas spills, see pick_config).
+        work_end = pid + 1
+        work_step = 1
 
-    for work in range(pid, num_work, num_programs):
+    for work in range(pid, work_end, work_step):
         tile = work // num_heads
         head = work % num_heads
         user = tl.load(tile_user_ptr + tile)
@@ -214,27 +222,37 @@ class KernelConfig:
 # Interpreter: small tiles keep numpy work per step low while leaving few steps per tile.
 INTERPRETER_BLOCK_M = 32
 INTERPRETER_BLOCK_N = 32
-# CUDA: BLOCK_N / warps / stages are autotuned (BLOCK_M fixes the tile table, so it is chosen by rule).
-CUDA_CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-]
+# CUDA. Without tensor descriptors (kept out for triton-ascend), every K/V tile is loaded through a tensor of
+# pointers, which costs registers: a [64, 128] tile's addresses alone take ~64 registers per thread at 8 warps. The
+# tile rule below is read off ``relaygr bench ptxas`` (sm_90, bf16, page 64; benchmarks/results/ptxas-sm90-*.txt):
+# * 8 warps: with 4, every config with BLOCK_M = 128 or head dim 128 spills (0.2 to 22 KB per thread);
+# * BLOCK_M = 128 for head dims <= 64, 64 above: at head dim 128 every BLOCK_M = 128 config spills (120 B softmax,
+#   ~1-2 KB hstu), while BLOCK_M = 64 with BLOCK_N = 32 compiles spill-free in both modes. BLOCK_M = 64 reads each
+#   prefix block twice as often per query row; whether that costs more than the spills it avoids is for a GPU run
+#   to settle (``relaygr bench kernels --block-m 64,128``), and ``block_m=`` overrides the rule;
+# * BLOCK_N in {32, 64}, autotuned with 2 or 3 stages: BLOCK_N = 32 with 2 stages is spill-free for every head dim
+#   and mode above, the other three spill at most 280 B; BLOCK_N = 128 spills up to 3 KB and needs 100-230 KB of
+#   shared memory in hstu mode.
+CUDA_NUM_WARPS = 8
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_stages=s) for bn in (32, 64)
+                for s in (2, 3)]
 # NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
 NPU_BLOCK_M = 64
 NPU_BLOCK_N = 64
-AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "HSTU", "HAS_POS", "HAS_TS", "tune_len"]
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT", "tune_len"]
 
 
 def pick_config(device: torch.device, dtype: torch.dtype, head_dim: int, block_m: int | None = None,
                 block_n: int | None = None, *, interpreted: bool = False) -> KernelConfig:
-    """Tile sizes for a call; ``block_n=None`` on CUDA means "autotune"."""
+    """Tile sizes for a call; ``block_n=None`` on CUDA means "autotune" (see the rule above ``CUDA_CONFIGS``)."""
     if interpreted or device.type == "cpu":
         return KernelConfig(block_m or INTERPRETER_BLOCK_M, block_n or INTERPRETER_BLOCK_N)
     if device.type == "npu":  # pragma: no cover - needs an Ascend host
         return KernelConfig(block_m or NPU_BLOCK_M, block_n or NPU_BLOCK_N)
     if block_m is None:
-        block_m = 64 if dtype == torch.float32 or head_dim > 128 else 128
-    return KernelConfig(block_m, block_n, num_warps=4 if block_n else None, num_stages=2 if block_n else None)
+        block_m = 64 if dtype == torch.float32 or head_dim > 64 else 128
+    return KernelConfig(block_m, block_n, num_warps=CUDA_NUM_WARPS if block_n else None,
+                        num_stages=2 if block_n else None)
 
 
 _autotuned = None
@@ -447,7 +465,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
-                TS_STEPS=ts_steps, DOT_PRECISION=_dot_precision(q.dtype, allow_tf32))
+                TS_STEPS=ts_steps, DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
     with C.device_guard(device):
         if cfg.block_n is None:
             _autotuned_kernel()[(programs,)](*args, **meta)
