@@ -394,44 +394,28 @@ def test_kv_pack_rejects_bad_inputs():
 COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from relaygr_engine.kernels import kv_pack, kv_write, prefix_attention as pa
+from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
+from relaygr_engine.kernels import kv_pack, kv_write
 
-def build(fn, types, constexprs, **options):
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    idx = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=idx), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+def check(k, name):
     ttir = k.asm["ttir"]
-    assert "make_tensor_ptr" not in ttir and "tt.advance" not in ttir and "descriptor" not in ttir, fn.__name__
-    assert "cubin" in k.asm and k.asm["ptx"], fn.__name__
+    assert "make_tensor_ptr" not in ttir and "tt.advance" not in ttir and "descriptor" not in ttir, name
+    assert "cubin" in k.asm and k.asm["ptx"], name
     return k
 
-def attn_types(dt):
-    t = {n: dt for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_ptr")}
-    t.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
-                                  "tile_user_ptr", "tile_row_ptr")})
-    t.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64", scale="fp32",
-             inv_norm="fp32")
-    return t
-
-base = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=64, BLOCK_M=128, BLOCK_N=64, TS_BITS=1, TS_STEPS=0)
-k = build(pa._prefix_attention_kernel, attn_types("*bf16"),
-          dict(base, HSTU=False, HAS_POS=False, HAS_TS=False, DOT_PRECISION=None), num_warps=8, num_stages=2)
-assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
-build(pa._prefix_attention_kernel, attn_types("*bf16"),
-      dict(base, HSTU=True, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=5, DOT_PRECISION=None), num_warps=8)
-build(pa._prefix_attention_kernel, attn_types("*fp32"),
-      dict(base, HEAD_DIM=48, BLOCK_D=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=32, HSTU=True, HAS_POS=True,
-           HAS_TS=True, TS_BITS=63, TS_STEPS=6, DOT_PRECISION="ieee"), num_warps=4)
-build(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
-                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
-      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True))
+for persistent in (False, True):
+    k = check(compile_attention("softmax", 128, 128, 64, num_warps=8, num_stages=2, persistent=persistent), "softmax")
+    assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
+    check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent), "hstu")
+check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
+regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
+assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
+check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
+                                                      ts_ptr="*i64", ts_cache_ptr="*i64"),
+                     dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
 for pack in (True, False):
-    build(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
-          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack))
+    check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
+                         dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
 print("compiled")
 """
 
@@ -452,6 +436,29 @@ def test_kernels_compile_for_cuda_sm90_without_a_gpu():
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
+    """``relaygr bench ptxas`` compiles a config for sm_90 without a GPU and reports ptxas's resource numbers."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--modes", "softmax", "--head-dims", "64",
+           "--block-m", "64", "--block-n", "32", "--warps", "4", "--stages", "2", "--json", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT arch=sm_90 configs=1 "), last
+    (row,) = json.loads(path.read_text())["rows"]
+    assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
+    assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
+    bad = subprocess.run(cmd[:5] + ["--modes", "flash"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--modes must name" in bad.stderr
+
+
 # ------------------------------------------------------------------------------------------------ bench smoke
 @needs_interpreter
 def test_bench_kernels_smoke(tmp_path, capsys):
@@ -464,6 +471,15 @@ def test_bench_kernels_smoke(tmp_path, capsys):
     assert text.strip().splitlines()[-1].startswith("RESULT ")
     data = json.loads(path.read_text())
     assert data["rows"] and all(r["max_abs_err"] <= ATOL for r in data["rows"])
+
+    # --block-m compares tile heights in one run: each shape once per value, a geomean per value in RESULT
+    assert bench.main(["--modes", "softmax", "--block-m", "16,32", "--json", str(path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "geomean_speedup_vs_sdpa_bm16=" in last and "geomean_speedup_vs_sdpa_bm32=" in last
+    rows = json.loads(path.read_text())["rows"]
+    assert sorted(r["block_m"] for r in rows) == [16, 32] and all(r["max_abs_err"] <= ATOL for r in rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--block-m", "24"])
 
 
 # ------------------------------------------------------------------------------------------------ CUDA (bf16)
