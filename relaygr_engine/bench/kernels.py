@@ -17,6 +17,7 @@ shapes: a smoke run of the whole path whose timings say nothing about a device.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -211,15 +212,18 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 
 # ------------------------------------------------------------------------------------------------ one shape
-def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool) -> dict:
-    from relaygr_engine.kernels.prefix_attention import prefix_attention
+def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
+              block_m: Optional[int] = None) -> dict:
+    """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row."""
+    from relaygr_engine.kernels.prefix_attention import pick_config, prefix_attention
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
     cargs, _ = _problem(shape, device, dtype, contiguous=True)
     rargs, rkw = _recompute_problem(shape, device, dtype)
     gq, gk, gv, mask, rab = _gathered(args, kw, shape)
 
-    run = lambda a, k: prefix_attention(**a, **k, persistent=persistent)  # noqa: E731
+    run = lambda a, k: prefix_attention(**a, **k, persistent=persistent, block_m=block_m)  # noqa: E731
+    used_m = block_m or pick_config(device, dtype, shape.head_dim, interpreted=device.type == "cpu").block_m
     out = run(args, kw)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
     base = base.transpose(1, 2).reshape(out.shape)
@@ -232,7 +236,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
                speedup_vs_recompute=t_full / t_paged, max_abs_err=err,
@@ -277,6 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per timing (default 3 on devices, 0 on cpu)")
     ap.add_argument("--iters", type=int, default=None, help="timed runs (default 20 on devices, 1 on cpu)")
     ap.add_argument("--persistent", action="store_true", help="persistent grid (one program per core)")
+    ap.add_argument("--block-m", default="auto",
+                    help="query rows per tile: auto (the kernel's rule) or a comma-separated list to compare, e.g. "
+                         "64,128 (each shape runs once per value)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     opts = ap.parse_args(argv)
 
@@ -288,6 +295,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [m for m in modes if m not in ("softmax", "hstu")]
     if bad:
         ap.error(f"--modes must name 'softmax' and/or 'hstu', got {bad}")
+    if opts.block_m == "auto":
+        block_ms = [None]
+    else:
+        try:
+            block_ms = [int(x) for x in opts.block_m.split(",") if x.strip()]
+        except ValueError:
+            block_ms = []
+        if not block_ms or any(b < 16 or b & (b - 1) for b in block_ms):
+            ap.error(f"--block-m must be 'auto' or powers of two >= 16, comma-separated, got {opts.block_m!r}")
     cpu = device.type == "cpu"
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
@@ -299,16 +315,16 @@ def main(argv: Optional[list[str]] = None) -> int:
               "not a device; run on CUDA/NPU for performance numbers.")
     print(f"device={device} dtype={str(dtype).replace('torch.', '')} persistent={opts.persistent} "
           f"warmup={warmup} iters={iters}")
-    head = (f"{'shape':<62} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
+    head = (f"{'shape':<62} {'BM':>4} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
             f"{'paged_ovh':>9} {'err':>8}")
     if device.type == "cuda":
         head += f" {'%matmul':>8} {'vs_flashinfer':>13}"
     print(head)
     rows = []
-    for shape in shapes:
-        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent)
+    for shape, block_m in itertools.product(shapes, block_ms):
+        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent, block_m=block_m)
         rows.append(r)
-        line = (f"{shape.name:<62} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
+        line = (f"{shape.name:<62} {r['block_m']:>4} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
                 f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
                 f"{100 * r['paged_overhead']:>8.1f}% {r['max_abs_err']:>8.1e}")
         if device.type == "cuda":
@@ -327,6 +343,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                    min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=geo(sm) if sm else None,
                    geomean_speedup_vs_recompute=geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
+    if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
+        for bm in block_ms:
+            picked = [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"]
+            summary[f"geomean_speedup_vs_sdpa_bm{bm}"] = geo(picked) if picked else None
+            summary[f"geomean_ms_bm{bm}"] = geo([r["time_ms"] for r in rows if r["block_m"] == bm])
     if device.type == "cuda":
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
     if opts.json:
