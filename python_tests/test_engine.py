@@ -385,6 +385,32 @@ def test_triton_backend_through_the_engine(attention):
         assert_exact(miss, model, h, cands)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_cuda_engine_equals_full_inference(attention, backend):
+    """On CUDA in fp32 (the kernel's dots in IEEE fp32, torch's without TF32) a hit, a miss and a batch equal
+    ``rank_full`` on the same device; "auto" runs the Triton kernel there."""
+    if backend != "torch" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    cfg = make_model(attention).config
+    model = rg.build_ranker(cfg, seed=0, device="cuda")
+    engine = make_engine(model, cache=dict(device="cuda", attention_backend=backend))
+    h, cands = history(100, seed=5), candidates(37).cuda()
+    ticket = engine.prefill_prefix(1, h.prefix(61))
+    hit = engine.rank_with_prefix(1, h, cands, ticket=ticket)
+    miss = engine.rank_with_prefix(2, h, cands)
+    assert (hit.source, miss.source) == ("hbm", "recompute") and hit.scores.device.type == "cuda"
+    assert_exact(hit, model, h, cands)
+    assert_exact(miss, model, h, cands)
+    h2 = history(90, seed=6)
+    engine.prefill_prefix(3, h2.prefix(40))
+    batch = engine.rank_with_prefix_batch([rg.RankRequest(1, h, cands), rg.RankRequest(3, h2, cands[:5])])
+    assert_exact(batch[0], model, h, cands)
+    assert_exact(batch[1], model, h2, cands[:5])
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 def _bad_requests(h, cands, ticket):
     other = rg.PrefixTicket(True, "admitted", 99, ticket.fingerprint, 10, 1.0)
