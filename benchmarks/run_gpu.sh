@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Everything a CUDA machine should check, in one command: the CUDA tests, then the kernel benchmarks against their
+# goals, the static ptxas report with this machine's Triton, and the engine-level benchmarks on CUDA.
+#
+#   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
+#   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
+#
+# Steps: env tests-cuda kernels kernels-persistent ptxas tiers rank (all by default; about 20-30 minutes on an H100,
+# most of it Triton compiling and autotuning).
+# Needs torch with CUDA, triton, pybind11, cmake and ninja already installed: no network is used (the package is
+# installed with --no-build-isolation --no-deps). Each step writes its output to OUT_DIR as soon as it finishes, with
+# a header naming the device, date and commit (RELAYGR_COMMIT, else `git rev-parse`), so a run cut short keeps what
+# it finished. Steps that fail are listed at the end; the script exits non-zero if any did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-benchmarks/results/gpu-$(date -u +%F)}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+commit=${RELAYGR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+if [ -z "$gpu" ]; then
+    echo "run_gpu.sh: no NVIDIA GPU visible (nvidia-smi found none); this script is for a CUDA machine" >&2
+    exit 2
+fi
+header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
+failed=()
+
+STEPS=${STEPS:-env tests-cuda kernels kernels-persistent ptxas tiers rank}
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
+    local name=$1 limit=$2
+    shift 2
+    case " ${STEPS} " in *" ${name} "*) ;; *) return 0 ;; esac
+    echo "== ${name}: $*"
+    { echo "# $* | ${header}"; timeout "$limit" "$@" 2>&1; } | tee "${OUT_DIR}/${name}.txt"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || failed+=("${name} (exit ${rc})")
+}
+
+$PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
+step env 60 $PY -m relaygr_engine.cli info
+# The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run.
+step tests-cuda 900 $PY -m pytest -q -rs python_tests -p no:cacheprovider
+step kernels 900 $PY -m relaygr_engine.cli bench kernels --block-m 64,128 --json "${OUT_DIR}/kernels.json"
+step kernels-persistent 600 $PY -m relaygr_engine.cli bench kernels --persistent --json "${OUT_DIR}/kernels-persistent.json"
+step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --stages 2 --json "${OUT_DIR}/ptxas.json"
+step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --json "${OUT_DIR}/tiers.json"
+step rank 600 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank.json"
+
+echo "results in ${OUT_DIR}"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'failed: %s\n' "${failed[@]}"
+    exit 1
+fi
