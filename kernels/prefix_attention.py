@@ -39,7 +39,8 @@ import triton.language as tl
 
 from . import _common as C
 
-__all__ = ["prefix_attention", "AttentionMode", "KernelConfig", "pick_config"]
+__all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
+           "pick_config"]
 
 
 class AttentionMode(str, enum.Enum):
@@ -299,12 +300,50 @@ def _ts_search(num_buckets: int) -> tuple[int, int]:
     return bits, steps
 
 
-def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, total_q, page_size,
-          num_pages, block_m, device):
-    """Read the small metadata on the host (one transfer), check it, and build the tile table.
+@dataclass(frozen=True)
+class PrefixAttentionPlan:
+    """The schedule of one varlen batch: built once on the host, reused by every layer of a forward.
 
-    Returns ``(tile_user, tile_row, num_tiles, max_key_len, num_cached_tokens)``; the tables are int32 tensors on
-    ``device``.
+    Like FlashInfer's ``plan``/``run`` split. The metadata is read from the device once to check it and to build
+    the tile table. Then each layer's :func:`prefix_attention` call launches with no device-to-host read (a read
+    waits for all queued GPU work, so one per layer would serialise the host's launches with the kernels).
+
+    Attributes
+    ----------
+    block_m : int
+        Query rows per tile (the tile table is built for it).
+    batch, total_q : int
+        Users and query rows the plan was built for (checked against each call).
+    page_size, num_pages : int
+        Of the cache the page table was checked against (checked against each call).
+    tile_user, tile_row : int32 Tensor [num_tiles]
+        On the device: each tile's user and first row in that user's segment.
+    max_key_len : int
+        Longest prefix + segment of a user (the rounded autotune key).
+    num_cached : int
+        Cached tokens over all users.
+    """
+
+    block_m: int
+    batch: int
+    total_q: int
+    page_size: int
+    num_pages: int
+    tile_user: torch.Tensor
+    tile_row: torch.Tensor
+    max_key_len: int
+    num_cached: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_user.numel()
+
+
+def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, total_q, page_size,
+          num_pages, block_m, device) -> PrefixAttentionPlan:
+    """Read the small metadata on the host (one transfer), check it, and build the tile table on ``device``.
+
+    ``total_q=None`` takes the row count from ``cu_seqlens_q[-1]`` (no separate read).
     """
     b = num_candidates.numel()
     parts = [cu_seqlens_q, num_candidates, kv_indptr, kv_last_page_len]
@@ -314,6 +353,8 @@ def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
     cu, cand = host[:b + 1], host[b + 1:2 * b + 1]
     indptr, last = host[2 * b + 1:3 * b + 2], host[3 * b + 2:4 * b + 2]
     seqlens = cu[1:] - cu[:-1]
+    if total_q is None:
+        total_q = int(cu[-1])
     if int(cu[0]) != 0 or bool((seqlens < 0).any()) or int(cu[-1]) != total_q:
         raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at total_q={total_q}, "
                          f"got {cu.tolist()}")
@@ -340,12 +381,55 @@ def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
     tile_row = (torch.arange(num_tiles) - first) * block_m
     table = torch.stack([tile_user, tile_row]).to(torch.int32).to(device)
     max_key_len = int((prefix + seqlens).max()) if b else 0
-    return table[0], table[1], num_tiles, max_key_len, int(prefix.sum())
+    return PrefixAttentionPlan(block_m, b, total_q, page_size, num_pages, table[0], table[1], max_key_len,
+                               int(prefix.sum()))
+
+
+def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
+                          block_m=None) -> PrefixAttentionPlan:
+    """Check a batch's layout and build its tile schedule once, for every layer's :func:`prefix_attention` call.
+
+    Parameters
+    ----------
+    cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len : int32 Tensors
+        As in :func:`prefix_attention`, on the device of ``kv_cache``.
+    kv_cache : Tensor [num_pages, 2, page_size, H, D]
+        A layer's cache: its page count, page size, head dim, dtype and device decide the tiles (all layers of a
+        model share them).
+    block_m : int, optional
+        Query rows per tile; default: the device's rule (:func:`pick_config`).
+
+    Returns
+    -------
+    PrefixAttentionPlan
+        Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
+    """
+    C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=C.FLOAT_DTYPES)
+    device = kv_cache.device
+    C.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    batch = cu_seqlens_q.numel() - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
+    C.check_tensor("num_candidates", num_candidates, shape=(batch,), dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), device=device)
+    C.check_tensor("kv_last_page_len", kv_last_page_len, shape=(batch,), dtypes=(torch.int32,), device=device)
+    _check_block("block_m", block_m)
+    cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
+                      interpreted=C.is_interpreted(_prefix_attention_kernel))
+    return _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=None,
+                 page_size=kv_cache.shape[2], num_pages=kv_cache.shape[0], block_m=cfg.block_m, device=device)
+
+
+def _check_block(name: str, size) -> None:
+    if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
+        raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
 
 
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
-                     persistent=False, block_m=None, block_n=None, allow_tf32=False) -> torch.Tensor:
+                     persistent=False, block_m=None, block_n=None, allow_tf32=False,
+                     plan: Optional[PrefixAttentionPlan] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -385,6 +469,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         Tile sizes (powers of two >= 16); default: by device (CUDA autotunes ``block_n``).
     allow_tf32 : bool
         fp32 inputs on CUDA: let ``tl.dot`` use TF32 (faster, ~1e-3 relative error) instead of IEEE fp32.
+    plan : PrefixAttentionPlan, optional
+        This batch's schedule from :func:`plan_prefix_attention` (built once, reused by every layer): the call then
+        reads nothing back from the device. It must have been built for this batch's metadata (its batch size,
+        row count and device are checked, the table contents are trusted). Without it, the call plans for itself.
 
     Returns
     -------
@@ -393,9 +481,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
 
     Notes
     -----
-    The metadata (``cu_seqlens_q``, ``num_candidates``, ``kv_indptr``, ``kv_last_page_len`` and the range of
-    ``kv_indices``) is read on the host once per call to check it and to build the tile table, like FlashInfer's
-    ``plan``. Rows of one user are tiled together, so a tile of candidates reads each prefix page once.
+    Without ``plan``, the metadata (``cu_seqlens_q``, ``num_candidates``, ``kv_indptr``, ``kv_last_page_len`` and
+    the range of ``kv_indices``) is read on the host once per call to check it and to build the tile table. Rows of
+    one user are tiled together, so a tile of candidates reads each prefix page once.
     """
     mode = _parse_mode(mode)
     hstu = mode is AttentionMode.HSTU
@@ -430,9 +518,18 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         if ts_cache is not None:
             C.check_tensor("ts_cache", ts_cache, shape=(num_pages, page_size), dtypes=(torch.int64,),
                            device=device)
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+    if plan is not None:
+        if not isinstance(plan, PrefixAttentionPlan):
+            raise ValueError(f"plan must be a PrefixAttentionPlan (plan_prefix_attention), got {C.describe(plan)}")
+        built = (plan.batch, plan.total_q, plan.page_size, plan.num_pages, plan.tile_user.device)
+        if built != (batch, total_q, page_size, num_pages, device):
+            raise ValueError(f"plan was built for {plan.batch} users, {plan.total_q} rows and {plan.num_pages} "
+                             f"pages of {plan.page_size} tokens on {plan.tile_user.device}, got {batch} users, "
+                             f"{total_q} rows and {num_pages} pages of {page_size} tokens on {device}")
+        if block_m is not None and block_m != plan.block_m:
+            raise ValueError(f"block_m={block_m} differs from the plan's block_m={plan.block_m}")
     C.check_launchable(device, _prefix_attention_kernel)
     if device.type == "cpu" and q.dtype != torch.float32:
         raise ValueError(f"the CPU interpreter runs fp32 only (numpy has no bf16), got q.dtype={q.dtype}")
@@ -440,28 +537,28 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     out = torch.empty_like(q)
     if total_q == 0:
         return out
-    cfg = pick_config(device, q.dtype, head_dim, block_m, block_n,
+    cfg = pick_config(device, q.dtype, head_dim, plan.block_m if plan is not None else block_m, block_n,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
-    tile_user, tile_row, num_tiles, max_key_len, num_cached = _plan(
-        cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=total_q,
-        page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
-    if ts_bias is not None and ts_cache is None and num_cached:
-        raise ValueError(f"ts_bias needs ts_cache: {num_cached} cached tokens have no timestamps")
-    num_work = num_tiles * num_heads
+    if plan is None:
+        plan = _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=total_q,
+                     page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
+    if ts_bias is not None and ts_cache is None and plan.num_cached:
+        raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
+    num_work = plan.num_tiles * num_heads
     programs = C.num_programs(device, num_work, persistent)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits, ts_steps = _ts_search(ts_bias.numel()) if has_ts else (1, 0)
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
     args = (
         q, k, v, out, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
-        tile_user, tile_row,
+        plan.tile_user, plan.tile_row,
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
         num_heads, num_work, programs,
         pos_bias.numel() if has_pos else 1, ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        scale, inv_norm, C.next_pow2(max_key_len),
+        scale, inv_norm, C.next_pow2(plan.max_key_len),
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,

@@ -385,6 +385,27 @@ def test_triton_backend_through_the_engine(attention):
         assert_exact(miss, model, h, cands)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_forward_plans_once_for_all_layers(monkeypatch):
+    """A Triton forward reads its page table back from the device once (one plan), not once per layer."""
+    from relaygr_engine.kernels import _common
+    from relaygr_engine.kernels import prefix_attention as pa
+    if not _common.interpreter_active():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
+    calls = []
+    real = pa._plan
+    monkeypatch.setattr(pa, "_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make_model("hstu")
+    assert len(model.layers) == 2
+    engine = make_engine(model, cache=dict(attention_backend="triton"))
+    h, cands = history(30, seed=4), candidates(6)
+    ticket = engine.prefill_prefix(1, h.prefix(20))
+    calls.clear()
+    res = engine.rank_with_prefix(1, h, cands, ticket=ticket)
+    assert res.source == "hbm" and len(calls) == 1
+    assert_exact(res, model, h, cands)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 @pytest.mark.parametrize("attention", KINDS)

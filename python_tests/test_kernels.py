@@ -204,6 +204,38 @@ def test_persistent_and_grid_launch_agree_bitwise(mode):
 
 
 @needs_interpreter
+def test_a_plan_built_once_serves_every_call_and_is_checked():
+    """plan_prefix_attention + plan= gives bitwise the unplanned result; a plan of another batch is refused."""
+    from relaygr_engine.kernels.prefix_attention import PrefixAttentionPlan, plan_prefix_attention
+
+    args, bias = make_problem([(45, 10, 50), (16, 3, 2), (0, 0, 7)], 16, 2, 32, seed=12)
+    meta = {n: args[n] for n in ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")}
+    plan = plan_prefix_attention(**meta, kv_cache=args["kv_cache"], block_m=16)
+    assert isinstance(plan, PrefixAttentionPlan) and plan.block_m == 16 and plan.total_q == 72
+    assert plan.num_tiles == 4 + 1 + 1 and plan.max_key_len == 45 + 60 and plan.num_cached == 61
+    for mode in ("softmax", "hstu"):
+        kw = attention_kwargs(mode, bias, 32)
+        want = prefix_attention(**args, **kw, block_m=16)
+        assert torch.equal(prefix_attention(**args, **kw, plan=plan), want)
+        assert torch.equal(prefix_attention(**args, **kw, plan=plan, persistent=True), want)
+
+    kw = attention_kwargs("softmax", bias, 32)
+    with pytest.raises(ValueError, match="block_m=32 differs from the plan's block_m=16"):
+        prefix_attention(**args, **kw, plan=plan, block_m=32)
+    with pytest.raises(ValueError, match="plan must be a PrefixAttentionPlan"):
+        prefix_attention(**args, **kw, plan=(plan.tile_user, plan.tile_row))
+    other, _ = make_problem([(45, 10, 50), (16, 3, 3)], 16, 2, 32, seed=12)
+    with pytest.raises(ValueError, match="plan was built for 3 users, 72 rows and .* got 2 users, 66 rows"):
+        prefix_attention(**other, **kw, plan=plan)
+    bigger = dict(args, kv_cache=torch.cat([args["kv_cache"], args["kv_cache"]]))
+    with pytest.raises(ValueError, match="pages of 16 tokens on cpu, got 3 users, 72 rows and 14 pages"):
+        prefix_attention(**bigger, **kw, plan=plan)
+    bad = dict(meta, kv_last_page_len=meta["kv_last_page_len"] + 16)
+    with pytest.raises(ValueError, match="kv_last_page_len must be in"):
+        plan_prefix_attention(**bad, kv_cache=args["kv_cache"])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("mode", ["softmax", "hstu"])
 def test_cached_prefix_equals_full_recompute(mode):
     """Rows attending to a prefix written by kv_write equal the same rows of an uncached pass over everything."""

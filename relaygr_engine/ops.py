@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from .config import AttentionBackend, parse_choice
 
-__all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "time_buckets"]
+__all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "plan_paged_attention",
+           "time_buckets"]
 
 _log = logging.getLogger("relaygr_engine")
 
@@ -367,8 +368,13 @@ def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
                           ("cu_seqlens_q", cu_seqlens_q, B + 1)):
         if x.numel() != want:
             raise ValueError(f"{name} must have {want} entries (B = len(num_candidates) = {B}), got {x.numel()}")
-    cu, indptr = cu_seqlens_q.tolist(), kv_indptr.tolist()
-    last, ncand = kv_last_page_len.tolist(), num_candidates.tolist()
+    # One device-to-host transfer for every value checked below (each read waits for the queued GPU work).
+    parts = [cu_seqlens_q, kv_indptr, kv_last_page_len, num_candidates]
+    if kv_indices.numel():
+        parts += [kv_indices.min().reshape(1), kv_indices.max().reshape(1)]
+    host = torch.cat(parts).tolist()
+    cu, indptr = host[:B + 1], host[B + 1:2 * B + 2]
+    last, ncand = host[2 * B + 2:3 * B + 2], host[3 * B + 2:4 * B + 2]
     _check_offsets("cu_seqlens_q", cu, total, "rows of q")
     _check_offsets("kv_indptr", indptr, kv_indices.numel(), "entries of kv_indices")
     for b in range(B):
@@ -380,7 +386,7 @@ def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
             raise ValueError(f"kv_last_page_len[{b}] must be in [{lo}, {hi}] (user {b} has {pages} pages), "
                              f"got {last[b]}")
     if kv_indices.numel():
-        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        lo, hi = host[-2], host[-1]
         if lo < 0 or hi >= num_pages:
             raise ValueError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{lo}, {hi}]")
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
@@ -424,6 +430,24 @@ def _triton_impl():
     return prefix_attention
 
 
+def plan_paged_attention(kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
+                         backend="auto"):
+    """The Triton kernel's schedule of one batch, built once for all layers; ``None`` where ``backend`` resolves to
+    the torch reference (which needs none).
+
+    Pass the result as ``plan=`` to :func:`paged_prefix_attention` for every layer of the forward: the layers then
+    launch without reading anything back from the device. See
+    :func:`relaygr_engine.kernels.prefix_attention.plan_prefix_attention`.
+    """
+    if not isinstance(kv_cache, torch.Tensor):
+        raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if _resolve_backend(backend, kv_cache.device) is not AttentionBackend.TRITON:
+        return None
+    from .kernels.prefix_attention import plan_prefix_attention
+    return plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
+                                 kv_cache=kv_cache)
+
+
 def _resolve_backend(backend, device: torch.device) -> AttentionBackend:
     b = parse_choice(AttentionBackend, backend, "backend")
     if b is not AttentionBackend.AUTO:
@@ -444,7 +468,7 @@ def _warn_once(message: str) -> None:
 
 def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
                            *, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
-                           backend="torch"):
+                           backend="torch", plan=None):
     """Attention of each user's new history rows and candidates over its cached prefix pages and its new rows.
 
     See the module docstring for the exact positions, masks and formulas.
@@ -484,6 +508,9 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
         custom op when traced or compiled, called directly in eager mode);
         ``"triton"``: ``relaygr_engine.kernels.prefix_attention.prefix_attention``; ``"auto"``: Triton on CUDA/NPU
         when it imports, torch otherwise.
+    plan : PrefixAttentionPlan, optional
+        The batch's Triton schedule from :func:`plan_paged_attention`, reused across layers (Triton backend only;
+        the torch reference ignores it).
 
     Returns
     -------
@@ -503,7 +530,7 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
                 scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
     return _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
-                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be)
+                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be, plan=plan)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -512,7 +539,7 @@ def _eager(q: torch.Tensor) -> bool:
 
 
 def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend):
+              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend, plan=None):
     """:func:`paged_prefix_attention` after validation (``mode`` an :class:`AttentionMode`, ``backend`` parsed).
 
     Callers that already validated the same page table and row layout (e.g. the layers of one forward after the
@@ -527,7 +554,7 @@ def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seq
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return _triton_impl()(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                               num_candidates, mode=mode.value, scale=float(scale), hstu_norm=float(hstu_norm),
-                              pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q)
+                              pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q, plan=plan)
     if _eager(q):
         return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                             cu_seqlens_q, num_candidates, mode, float(scale), float(hstu_norm),

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import AttentionBackend, parse_choice
-from ..ops import AttentionMode, _dispatch, paged_prefix_attention, time_buckets
+from ..ops import AttentionMode, _dispatch, paged_prefix_attention, plan_paged_attention, time_buckets
 from .behaviors import Behaviors
 from .config import GRModelConfig
 from .layers import make_layer
@@ -278,6 +278,9 @@ class GRRanker(nn.Module):
         kv = []
         first = kv_caches[0] if len(kv_caches) else None
         be = parse_choice(AttentionBackend, backend, "backend")
+        # The Triton kernel's tile schedule is built once here and reused by every layer (None for torch).
+        plan = None if first is None else plan_paged_attention(first, kv_indptr, kv_indices, kv_last_page_len,
+                                                               cu_seqlens_q, num_candidates, backend=be)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             q, k, v, aux = layer.project(x)
             kw = layer.op_kwargs(use_time=ts_q is not None)
@@ -287,9 +290,10 @@ class GRRanker(nn.Module):
                     and cache.dtype == first.dtype and cache.device == first.device)
             if same:  # the page table and rows were validated with the first layer
                 o = _dispatch(*args, AttentionMode(kw["mode"]), kw["scale"], kw.get("hstu_norm", 1.0),
-                              kw.get("pos_bias"), kw.get("ts_bias"), ts_cache, ts_q, be)
+                              kw.get("pos_bias"), kw.get("ts_bias"), ts_cache, ts_q, be, plan=plan)
             else:
-                o = paged_prefix_attention(*args, ts_cache=ts_cache, ts_q=ts_q, backend=be, **kw)
+                o = paged_prefix_attention(*args, ts_cache=ts_cache, ts_q=ts_q, backend=be,
+                                           plan=plan if i == 0 else None, **kw)
             x = layer.finish(x, o.to(x.dtype), aux)
             kv.append((k, v))
         return x, kv
