@@ -1,7 +1,8 @@
 """The ``relaygr`` command line.
 
 ``relaygr info``                  devices, extension status, versions
-``relaygr bench <name> [...]``    a benchmark from ``relaygr_engine.bench.<name>`` (pool, rank, kernels, tiers, slo)
+``relaygr bench <name> [...]``    a benchmark from ``relaygr_engine.bench.<name>`` (pool, rank, kernels, ptxas, tiers,
+                                  slo, ray)
 ``relaygr calibrate [...]``       measure the latency profile the trigger uses
 ``relaygr demo [...]``            the main job: relay-race vs full inference under a P99 SLO on a real-log workload
 ``relaygr serve [...]``           Ray Serve replicas with relay engines

@@ -172,9 +172,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     import triton
 
     pers = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.persistent]
-    grid = list(itertools.product(modes, _ints(opts.head_dims, "head-dims"), _ints(opts.block_m, "block-m"),
-                                  _ints(opts.block_n, "block-n"), _ints(opts.warps, "warps"),
-                                  _ints(opts.stages, "stages"), pers))
+    dims, bms, bns = _ints(opts.head_dims, "head-dims"), _ints(opts.block_m, "block-m"), _ints(opts.block_n, "block-n")
+    warps, stages = _ints(opts.warps, "warps"), _ints(opts.stages, "stages")
+    pow2 = lambda x, lo: x >= lo and not x & (x - 1)  # noqa: E731
+    for name, values, ok, want in (("head-dims", dims, lambda d: 1 <= d <= 256, "in [1, 256]"),
+                                   ("block-m", bms, lambda b: pow2(b, 16), "powers of two >= 16"),
+                                   ("block-n", bns, lambda b: pow2(b, 16), "powers of two >= 16"),
+                                   ("warps", warps, lambda w: pow2(w, 1) and w <= 32, "powers of two <= 32"),
+                                   ("stages", stages, lambda x: x >= 1, ">= 1"),
+                                   ("page-size", [opts.page_size], lambda p: p >= 1, ">= 1")):
+        if not all(ok(v) for v in values):
+            ap.error(f"--{name} must be {want}, got {values}")
+    grid = list(itertools.product(modes, dims, bms, bns, warps, stages, pers))
     print(f"target=sm_{opts.arch} dtype={opts.dtype} page_size={opts.page_size} triton={triton.__version__} "
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<8} {'D':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
