@@ -405,7 +405,17 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
         Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
     """
     C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=C.FLOAT_DTYPES)
+    _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, kv_cache.device)
+    _check_block("block_m", block_m)
     device = kv_cache.device
+    cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
+                      interpreted=C.is_interpreted(_prefix_attention_kernel))
+    return _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=None,
+                 page_size=kv_cache.shape[2], num_pages=kv_cache.shape[0], block_m=cfg.block_m, device=device)
+
+
+def _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device) -> int:
+    """Check the int32 row layout and page table tensors (not their values); returns the batch size B."""
     C.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
     batch = cu_seqlens_q.numel() - 1
     if batch < 0:
@@ -414,11 +424,7 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
     C.check_tensor("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=(torch.int32,), device=device)
     C.check_tensor("kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), device=device)
     C.check_tensor("kv_last_page_len", kv_last_page_len, shape=(batch,), dtypes=(torch.int32,), device=device)
-    _check_block("block_m", block_m)
-    cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
-                      interpreted=C.is_interpreted(_prefix_attention_kernel))
-    return _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=None,
-                 page_size=kv_cache.shape[2], num_pages=kv_cache.shape[0], block_m=cfg.block_m, device=device)
+    return batch
 
 
 def _check_block(name: str, size) -> None:
@@ -495,14 +501,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim), dtypes=(q.dtype,),
                    device=device)
     num_pages, _, page_size = kv_cache.shape[:3]
-    C.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
-    batch = cu_seqlens_q.numel() - 1
-    if batch < 0:
-        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
-    C.check_tensor("num_candidates", num_candidates, shape=(batch,), dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_last_page_len", kv_last_page_len, shape=(batch,), dtypes=(torch.int32,), device=device)
+    batch = _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device)
     scale = C.check_scalar("scale", scale)
     inv_norm = 1.0 / C.check_scalar("hstu_norm", hstu_norm, positive=True)
     if not hstu and (pos_bias is not None or ts_bias is not None):
