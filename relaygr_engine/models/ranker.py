@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import AttentionBackend, parse_choice
-from ..ops import AttentionMode, _dispatch, paged_prefix_attention, plan_paged_attention, time_buckets
+from ..ops import AttentionMode, _check_args, _dispatch, paged_prefix_attention, plan_paged_attention, time_buckets
 from .behaviors import Behaviors
 from .config import GRModelConfig
 from .layers import make_layer
@@ -286,14 +286,17 @@ class GRRanker(nn.Module):
             kw = layer.op_kwargs(use_time=ts_q is not None)
             args = (q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), cache, kv_indptr, kv_indices,
                     kv_last_page_len, cu_seqlens_q, num_candidates)
+            op = (AttentionMode(kw["mode"]), kw["scale"], kw.get("hstu_norm", 1.0), kw.get("pos_bias"),
+                  kw.get("ts_bias"), ts_cache, ts_q)
             same = (i > 0 and isinstance(cache, torch.Tensor) and cache.shape == first.shape
                     and cache.dtype == first.dtype and cache.device == first.device)
-            if same:  # the page table and rows were validated with the first layer
-                o = _dispatch(*args, AttentionMode(kw["mode"]), kw["scale"], kw.get("hstu_norm", 1.0),
-                              kw.get("pos_bias"), kw.get("ts_bias"), ts_cache, ts_q, be, plan=plan)
+            planned = i == 0 and plan is not None
+            if planned:  # the plan read and checked the page table and rows: check the rest without a second read
+                _check_args(*args, *op, read_tables=False)
+            if same or planned:  # validated: by the first layer, or just above and by the plan
+                o = _dispatch(*args, *op, be, plan=plan)
             else:
-                o = paged_prefix_attention(*args, ts_cache=ts_cache, ts_q=ts_q, backend=be,
-                                           plan=plan if i == 0 else None, **kw)
+                o = paged_prefix_attention(*args, ts_cache=ts_cache, ts_q=ts_q, backend=be, **kw)
             x = layer.finish(x, o.to(x.dtype), aux)
             kv.append((k, v))
         return x, kv
