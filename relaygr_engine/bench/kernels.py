@@ -230,18 +230,18 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
-    plans = {id(a): plan_of(a) for a in (args, cargs, rargs)}
-    run = lambda a, k: prefix_attention(**a, **k, persistent=persistent, plan=plans[id(a)])  # noqa: E731
-    used_m = plans[id(args)].block_m
-    out = run(args, kw)
+    plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
+    run = lambda a, k, p: prefix_attention(**a, **k, persistent=persistent, plan=p)  # noqa: E731
+    used_m = plan.block_m
+    out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
     base = base.transpose(1, 2).reshape(out.shape)
     err = float((out.float() - base.float()).abs().max())
 
-    t_paged = _time(lambda: run(args, kw), device, warmup, iters)
-    t_contig = _time(lambda: run(cargs, kw), device, warmup, iters)
+    t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
+    t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
-    t_full = _time(lambda: run(rargs, rkw), device, warmup, iters)
+    t_full = _time(lambda: run(rargs, rkw, rplan), device, warmup, iters)
     t_plan = _time(lambda: plan_of(args), device, warmup, iters)
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()

@@ -5,7 +5,7 @@ NVIDIA target (default ``sm_90``, the H100/H200) and assembled by the ptxas Trit
 the registers per thread and the bytes spilled to local memory; Triton's metadata gives the shared memory a program
 asks for. These are static facts of the compiled code, not timings: a config that spills pays local-memory traffic
 in its inner loop, and one whose shared memory exceeds the target's per-block limit cannot launch. The tile rule in
-``kernels/prefix_attention.py`` (``pick_config``, ``cuda_configs``) is chosen from this report.
+``kernels/prefix_attention.py`` (``pick_config``, ``CUDA_CONFIGS``) is chosen from this report.
 
 Runs on any machine whose Triton has the NVIDIA backend (the PyPI wheel does); nothing is launched.
 """
@@ -88,11 +88,12 @@ def attention_types(pointer: str) -> dict:
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90):
     """Compile ``_prefix_attention_kernel`` for one config (HSTU with both in-kernel biases on)."""
+    from relaygr_engine.kernels import _common as C
     from relaygr_engine.kernels import prefix_attention as pa
 
     hstu = mode == "hstu"
     ts_bits, ts_steps = pa._ts_search(32) if hstu else (1, 0)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), PAGE_SIZE=page_size,
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                       BLOCK_M=block_m, BLOCK_N=block_n, HSTU=hstu, HAS_POS=hstu, HAS_TS=hstu, TS_BITS=ts_bits,
                       TS_STEPS=ts_steps, DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent)
     return compile_kernel(pa._prefix_attention_kernel, attention_types("*" + dtype), constexprs, arch=arch,
@@ -166,7 +167,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    from relaygr_engine.kernels._common import interpreter_requested
+
+    if interpreter_requested():
         print("error: TRITON_INTERPRET is set; unset it to compile for a GPU target", file=sys.stderr)
         return 2
     import triton
