@@ -16,6 +16,7 @@ Model: HSTU (or ``--attention softmax``), hidden 64, 2 heads x 32, ``--layers`` 
 
     relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--layers N] [--new N] [--repeats N]
                        [--threads N] [--device cpu|cuda] [--backend auto|torch|triton]
+                       [--lengths L,L,...] [--candidates C,C,...]
 """
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ def _history(L: int, num_items: int, seed: int) -> Behaviors:
                      timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
 def _time(fn, device: torch.device):
     """(milliseconds, result) of one call of ``fn``."""
     if device.type == "cuda":
@@ -64,10 +76,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--lengths", type=_sizes, default=None, metavar="L,L,...",
+                    help=f"history lengths (default {','.join(map(str, LENGTHS))})")
+    ap.add_argument("--candidates", type=_sizes, default=None, metavar="C,C,...",
+                    help=f"candidate counts (default {','.join(map(str, CANDIDATES))})")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths, cands = ((256, 1024), (64,)) if args.quick else (LENGTHS, CANDIDATES)
+    lengths = args.lengths or lengths
+    cands = args.candidates or cands
     repeats = 1 if args.quick else max(1, args.repeats)
     device = torch.device(args.device)
 
