@@ -29,7 +29,6 @@ through triton-ascend and Triton's CPU interpreter.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,15 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import AttentionMode, parse_choice
 from . import _common as C
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config"]
-
-
-class AttentionMode(str, enum.Enum):
-    SOFTMAX = "softmax"
-    HSTU = "hstu"
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
@@ -267,15 +262,6 @@ def _autotuned_kernel():
 
 
 # ------------------------------------------------------------------------------------------------------ launcher
-def _parse_mode(mode) -> AttentionMode:
-    value = getattr(mode, "value", mode)
-    try:
-        return AttentionMode(str(value).lower())
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in AttentionMode)
-        raise ValueError(f"mode must be one of {choices}, got {mode!r}") from None
-
-
 def _bias_table(name: str, table, device: torch.device) -> torch.Tensor:
     """A 1-D floating bias table as contiguous fp32 (tables are tiny; the kernel reads fp32)."""
     C.check_tensor(name, table, ndim=1, dtypes=C.FLOAT_DTYPES + (torch.float64,), device=device, contiguous=False)
@@ -491,7 +477,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     the range of ``kv_indices``) is read on the host once per call to check it and to build the tile table. Rows of
     one user are tiled together, so a tile of candidates reads each prefix page once.
     """
-    mode = _parse_mode(mode)
+    mode = parse_choice(AttentionMode, mode, "mode")
     hstu = mode is AttentionMode.HSTU
     C.check_tensor("q", q, ndim=3, dtypes=C.FLOAT_DTYPES)
     device = q.device

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "CacheConfig", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "parse_choice", "resolve_dtype"]
 
 
 def parse_choice(enum_cls: type[enum.Enum], value, name: str):
@@ -31,6 +31,18 @@ class AttentionBackend(str, enum.Enum):
     AUTO = "auto"      # Triton on CUDA/NPU, torch elsewhere
     TORCH = "torch"    # pure-torch reference (any device)
     TRITON = "triton"  # Triton kernels (CUDA, NPU, or the CPU interpreter with TRITON_INTERPRET=1)
+
+
+class AttentionMode(str, enum.Enum):
+    """How attention weights are formed over the visible keys.
+
+    The one definition shared by the op (:mod:`relaygr_engine.ops`), the Triton kernel
+    (``relaygr_engine.kernels.prefix_attention``) and the model configuration; parse user input with
+    ``parse_choice(AttentionMode, value, "mode")``.
+    """
+
+    SOFTMAX = "softmax"  # softmax(scale * q.k) over the visible keys
+    HSTU = "hstu"        # SiLU(scale * q.k + rab) / hstu_norm, pointwise (no normalisation over keys)
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,

@@ -29,7 +29,6 @@ Keys of the cached tokens are read from ``kv_cache[page, 0, slot]``, values from
 """
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
@@ -38,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .config import AttentionBackend, parse_choice
+from .config import AttentionBackend, AttentionMode, parse_choice
 
 __all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "plan_paged_attention",
            "time_buckets"]
@@ -53,13 +52,6 @@ _MAX_BLOCK_ELEMS = 1 << 22
 # per block.
 _HISTORY_BLOCK_ROWS = 256
 _INT64_MIN = -(1 << 63)
-
-
-class AttentionMode(str, enum.Enum):
-    """How attention weights are formed."""
-
-    SOFTMAX = "softmax"  # softmax(scale * q.k) over visible keys
-    HSTU = "hstu"        # SiLU(scale * q.k + rab) / hstu_norm, pointwise (no normalisation over keys)
 
 
 # ---------------------------------------------------------------------------------------------------- time buckets
