@@ -1,8 +1,9 @@
 """Host-side helpers shared by the kernel launchers: device checks, interpreter detection, grid sizing.
 
-Triton compiles nothing here. The launchers in the kernel files validate their inputs with these helpers before any
-kernel runs, so a wrong shape, dtype, device or layout is a ``ValueError`` naming the argument, never a crash or a
-silent wrong answer inside a kernel.
+Triton compiles nothing here (this module imports torch only). The launchers in the kernel files validate their
+inputs with these helpers before any kernel runs, so a wrong shape, dtype, device or layout is a ``ValueError``
+naming the argument, never a crash or a silent wrong answer inside a kernel. :func:`check_page_table` is also the
+check of :func:`relaygr_engine.ops.paged_prefix_attention`.
 
 Devices
 -------
@@ -22,6 +23,7 @@ import importlib
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -188,3 +190,106 @@ def as_page_ids(name: str, page_ids, num_pages: int, device: torch.device, *, un
         if unique and torch.unique(host).numel() != host.numel():
             raise ValueError(f"{name} must not repeat a page id (two copies would race on one page)")
     return t
+
+
+# ---------------------------------------------------------------------------------------------- page table
+class PageIdError(IndexError, ValueError):
+    """A page id outside the cache: an ``IndexError`` that is also a ``ValueError`` (both were raised for it)."""
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """A batch's row layout and page table as read on the host by :func:`check_page_table` (lists of ints)."""
+
+    cu_seqlens_q: list[int]
+    num_candidates: list[int]
+    kv_indptr: list[int]
+    kv_last_page_len: list[int]
+
+    @property
+    def batch(self) -> int:
+        return len(self.num_candidates)
+
+
+def _check_offsets(name: str, values: list[int], total: Optional[int], what: str) -> None:
+    """``values`` start at 0, never decrease and end at ``total`` (anywhere when None)."""
+    if values[0] != 0 or (total is not None and values[-1] != total) or any(
+            b < a for a, b in zip(values, values[1:])):
+        span = "from 0" if total is None else f"from 0 to {total}"
+        raise ValueError(f"{name} must be non-decreasing offsets {span} ({what}), got {values}")
+
+
+def check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *,
+                     device: torch.device, num_pages: int, page_size: int, total_q: Optional[int] = None,
+                     read: bool = True, contiguous: bool = False) -> Optional[PageTable]:
+    """Check a batch's row layout and page table; return the values read on the host.
+
+    ``B = len(num_candidates)`` users. Always checked (no device read): each table is a 1-D int32 tensor on
+    ``device`` (and contiguous when ``contiguous``); ``cu_seqlens_q`` and ``kv_indptr`` have ``B + 1`` entries,
+    ``kv_last_page_len`` has ``B``. With ``read``, the values too, in one device-to-host transfer:
+
+    * ``cu_seqlens_q``: non-decreasing offsets from 0 to ``total_q`` (any end when ``total_q`` is None);
+    * ``kv_indptr``: non-decreasing offsets from 0 to ``len(kv_indices)``;
+    * ``num_candidates[b]`` in ``[0, rows of user b]``;
+    * ``kv_last_page_len[b]`` in ``[1, page_size]`` for a user with pages, 0 for one without;
+    * ``kv_indices`` in ``[0, num_pages)``.
+
+    Parameters
+    ----------
+    cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len : Tensor
+        As in :func:`relaygr_engine.ops.paged_prefix_attention`.
+    device : torch.device
+        Where the tables must be (that of the other inputs).
+    num_pages, page_size : int
+        Of the paged cache the table indexes.
+    total_q : int, optional
+        Rows of the query tensor.
+    read : bool
+        Check the values (else the tensors only, and return None).
+    contiguous : bool
+        Require contiguous tables (the kernels read them with unit stride).
+
+    Returns
+    -------
+    PageTable or None
+        The tables' values (without ``kv_indices``), or None when not ``read``.
+
+    Raises
+    ------
+    ValueError
+        Naming the first bad argument, with what was expected and what it got.
+    PageIdError
+        ``kv_indices`` out of range (an ``IndexError`` and a ``ValueError``).
+    """
+    tables = {"cu_seqlens_q": cu_seqlens_q, "num_candidates": num_candidates, "kv_indptr": kv_indptr,
+              "kv_indices": kv_indices, "kv_last_page_len": kv_last_page_len}
+    for name, x in tables.items():
+        check_tensor(name, x, ndim=1, dtypes=(torch.int32,), device=device, contiguous=contiguous)
+    B = num_candidates.numel()
+    for name, want in (("kv_indptr", B + 1), ("kv_last_page_len", B), ("cu_seqlens_q", B + 1)):
+        if tables[name].numel() != want:
+            raise ValueError(f"{name} must have {want} entries (B = len(num_candidates) = {B}), "
+                             f"got {tables[name].numel()}")
+    if not read:
+        return None
+    # One device-to-host transfer for every value checked below (each read waits for the queued device work).
+    parts = [cu_seqlens_q, kv_indptr, kv_last_page_len, num_candidates]
+    if kv_indices.numel():
+        parts += [kv_indices.min().reshape(1), kv_indices.max().reshape(1)]
+    host = torch.cat(parts).tolist()
+    table = PageTable(cu_seqlens_q=host[:B + 1], kv_indptr=host[B + 1:2 * B + 2],
+                      kv_last_page_len=host[2 * B + 2:3 * B + 2], num_candidates=host[3 * B + 2:4 * B + 2])
+    cu, indptr, last, ncand = table.cu_seqlens_q, table.kv_indptr, table.kv_last_page_len, table.num_candidates
+    _check_offsets("cu_seqlens_q", cu, total_q, "rows of q")
+    _check_offsets("kv_indptr", indptr, kv_indices.numel(), "entries of kv_indices")
+    for b in range(B):
+        rows, pages = cu[b + 1] - cu[b], indptr[b + 1] - indptr[b]
+        if not 0 <= ncand[b] <= rows:
+            raise ValueError(f"num_candidates[{b}] must be in [0, {rows}] (user {b}'s rows), got {ncand[b]}")
+        lo, hi = (1, page_size) if pages else (0, 0)
+        if not lo <= last[b] <= hi:
+            raise ValueError(f"kv_last_page_len[{b}] must be in [{lo}, {hi}] (user {b} has {pages} pages), "
+                             f"got {last[b]}")
+    if kv_indices.numel() and not (0 <= host[-2] and host[-1] < num_pages):
+        raise PageIdError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{host[-2]}, {host[-1]}]")
+    return table

@@ -325,50 +325,23 @@ class PrefixAttentionPlan:
         return self.tile_user.numel()
 
 
-def _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, total_q, page_size,
-          num_pages, block_m, device) -> PrefixAttentionPlan:
-    """Read the small metadata on the host (one transfer), check it, and build the tile table on ``device``.
-
-    ``total_q=None`` takes the row count from ``cu_seqlens_q[-1]`` (no separate read).
-    """
-    b = num_candidates.numel()
-    parts = [cu_seqlens_q, num_candidates, kv_indptr, kv_last_page_len]
-    if kv_indices.numel():
-        parts += [kv_indices.min().reshape(1), kv_indices.max().reshape(1)]
-    host = torch.cat(parts).cpu().to(torch.int64)
-    cu, cand = host[:b + 1], host[b + 1:2 * b + 1]
-    indptr, last = host[2 * b + 1:3 * b + 2], host[3 * b + 2:4 * b + 2]
-    seqlens = cu[1:] - cu[:-1]
-    if total_q is None:
-        total_q = int(cu[-1])
-    if int(cu[0]) != 0 or bool((seqlens < 0).any()) or int(cu[-1]) != total_q:
-        raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at total_q={total_q}, "
-                         f"got {cu.tolist()}")
-    if bool((cand < 0).any()) or bool((cand > seqlens).any()):
-        raise ValueError(f"num_candidates must be in [0, segment length] per user, got {cand.tolist()} for "
-                         f"segment lengths {seqlens.tolist()}")
-    pages = indptr[1:] - indptr[:-1]
-    if int(indptr[0]) < 0 or bool((pages < 0).any()) or int(indptr[-1]) > kv_indices.numel():
-        raise ValueError(f"kv_indptr must be >= 0, never decrease and end within kv_indices "
-                         f"({kv_indices.numel()} entries), got {indptr.tolist()}")
-    with_pages = pages > 0
-    if bool((with_pages & ((last < 1) | (last > page_size))).any()) or bool((~with_pages & (last != 0)).any()):
-        raise ValueError(f"kv_last_page_len must be in [1, {page_size}] for users with pages and 0 for users "
-                         f"without, got {last.tolist()} for page counts {pages.tolist()}")
-    if kv_indices.numel():
-        lo, hi = int(host[-2]), int(host[-1])
-        if lo < 0 or hi >= num_pages:
-            raise IndexError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{lo}, {hi}]")
-    prefix = torch.where(with_pages, (pages - 1) * page_size + last, torch.zeros_like(pages))
+def _plan(table: C.PageTable, *, page_size, num_pages, block_m, device) -> PrefixAttentionPlan:
+    """Build the tile table of a checked layout (:func:`~relaygr_engine.kernels._common.check_page_table`'s values)
+    on ``device``."""
+    b = table.batch
+    cu, last = torch.tensor(table.cu_seqlens_q), torch.tensor(table.kv_last_page_len)
+    indptr = torch.tensor(table.kv_indptr)
+    seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
+    prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
     tiles = (seqlens + block_m - 1) // block_m
     num_tiles = int(tiles.sum())
     tile_user = torch.repeat_interleave(torch.arange(b), tiles)
     first = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
     tile_row = (torch.arange(num_tiles) - first) * block_m
-    table = torch.stack([tile_user, tile_row]).to(torch.int32).to(device)
+    table_dev = torch.stack([tile_user, tile_row]).to(torch.int32).to(device)
     max_key_len = int((prefix + seqlens).max()) if b else 0
-    return PrefixAttentionPlan(block_m, b, total_q, page_size, num_pages, table[0], table[1], max_key_len,
-                               int(prefix.sum()))
+    return PrefixAttentionPlan(block_m, b, table.cu_seqlens_q[-1], page_size, num_pages, table_dev[0], table_dev[1],
+                               max_key_len, int(prefix.sum()))
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
@@ -391,26 +364,14 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
         Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
     """
     C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=C.FLOAT_DTYPES)
-    _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, kv_cache.device)
     _check_block("block_m", block_m)
     device = kv_cache.device
+    num_pages, _, page_size = kv_cache.shape[:3]
+    table = C.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
+                               device=device, num_pages=num_pages, page_size=page_size, contiguous=True)
     cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
-    return _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=None,
-                 page_size=kv_cache.shape[2], num_pages=kv_cache.shape[0], block_m=cfg.block_m, device=device)
-
-
-def _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device) -> int:
-    """Check the int32 row layout and page table tensors (not their values); returns the batch size B."""
-    C.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
-    batch = cu_seqlens_q.numel() - 1
-    if batch < 0:
-        raise ValueError("cu_seqlens_q must have B+1 >= 1 entries, got 0")
-    C.check_tensor("num_candidates", num_candidates, shape=(batch,), dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), device=device)
-    C.check_tensor("kv_last_page_len", kv_last_page_len, shape=(batch,), dtypes=(torch.int32,), device=device)
-    return batch
+    return _plan(table, page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
 
 
 def _check_block(name: str, size) -> None:
@@ -487,7 +448,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim), dtypes=(q.dtype,),
                    device=device)
     num_pages, _, page_size = kv_cache.shape[:3]
-    batch = _check_layout(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device)
+    # The values are read (once) only when this call plans for itself and has rows to compute.
+    table = C.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
+                               device=device, num_pages=num_pages, page_size=page_size, total_q=total_q,
+                               read=plan is None and total_q > 0, contiguous=True)
+    batch = num_candidates.numel()
     scale = C.check_scalar("scale", scale)
     inv_norm = 1.0 / C.check_scalar("hstu_norm", hstu_norm, positive=True)
     if not hstu and (pos_bias is not None or ts_bias is not None):
@@ -525,8 +490,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     cfg = pick_config(device, q.dtype, head_dim, plan.block_m if plan is not None else block_m, block_n,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
     if plan is None:
-        plan = _plan(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, total_q=total_q,
-                     page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
+        plan = _plan(table, page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
     num_work = plan.num_tiles * num_heads

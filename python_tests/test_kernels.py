@@ -231,7 +231,7 @@ def test_a_plan_built_once_serves_every_call_and_is_checked():
     with pytest.raises(ValueError, match="pages of 16 tokens on cpu, got 3 users, 72 rows and 14 pages"):
         prefix_attention(**bigger, **kw, plan=plan)
     bad = dict(meta, kv_last_page_len=meta["kv_last_page_len"] + 16)
-    with pytest.raises(ValueError, match="kv_last_page_len must be in"):
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[0\] must be in \[1, 16\] \(user 0 has 3 pages\), got 29"):
         plan_prefix_attention(**bad, kv_cache=args["kv_cache"])
 
 
@@ -299,9 +299,11 @@ def test_prefix_attention_rejects_bad_inputs():
         (_bad(args, v=args["v"].double()), kw, ValueError, "v must have dtype"),
         (_bad(args, k=torch.empty(args["k"].shape, device="meta")), kw, ValueError, "k must be on cpu"),
         (_bad(args, kv_cache=args["kv_cache"][:, :1]), kw, ValueError, "kv_cache must have shape"),
-        (_bad(args, cu_seqlens_q=i32([0, 5, 8])), kw, ValueError, "cu_seqlens_q must start at 0"),
-        (_bad(args, num_candidates=i32([6, 1])), kw, ValueError, "num_candidates must be in"),
-        (_bad(args, kv_last_page_len=i32([0, 0])), kw, ValueError, "kv_last_page_len must be in"),
+        (_bad(args, cu_seqlens_q=i32([0, 5, 8])), kw, ValueError,
+         r"cu_seqlens_q must be non-decreasing offsets from 0 to 7 \(rows of q\), got \[0, 5, 8\]"),
+        (_bad(args, num_candidates=i32([6, 1])), kw, ValueError,
+         r"num_candidates\[0\] must be in \[0, 5\] \(user 0's rows\), got 6"),
+        (_bad(args, kv_last_page_len=i32([0, 0])), kw, ValueError, r"kv_last_page_len\[0\] must be in \[1, 16\]"),
         (_bad(args, kv_indices=args["kv_indices"] + 100), kw, IndexError, "kv_indices must hold page ids"),
         (args, dict(mode="linear", scale=1.0), ValueError, "mode must be one of 'softmax', 'hstu'"),
         (args, dict(mode="softmax", scale=float("nan")), ValueError, "scale must be a finite number"),
@@ -317,6 +319,38 @@ def test_prefix_attention_rejects_bad_inputs():
     for a, k, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             prefix_attention(**a, **k)
+
+
+_I32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+
+@pytest.mark.parametrize("change", [
+    lambda a: dict(kv_indptr=a["kv_indptr"].long()),
+    lambda a: dict(num_candidates=a["num_candidates"][None]),
+    lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:-1]),
+    lambda a: dict(kv_indptr=a["kv_indptr"] + 1),
+    lambda a: dict(kv_indices=torch.cat([a["kv_indices"], _I32([0])])),  # kv_indptr ends before kv_indices
+    lambda a: dict(num_candidates=_I32([6, 1])),
+    lambda a: dict(kv_last_page_len=_I32([0, 0])),
+    lambda a: dict(kv_indices=a["kv_indices"] + 100),
+])
+def test_the_op_and_the_kernel_plan_share_one_layout_check(change):
+    """ops.paged_prefix_attention and plan_prefix_attention refuse a bad table with the same error.
+
+    (Bad ``cu_seqlens_q`` values are left out: the op's message names the row count of q, which a plan never sees.)
+    """
+    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention
+    from relaygr_engine.ops import paged_prefix_attention
+
+    args, _ = make_problem([(20, 2, 3), (0, 1, 1)], 16, 2, 32)
+    bad = _bad(args, **change(args))
+    meta = {n: bad[n] for n in ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")}
+    with pytest.raises(ValueError) as by_op:
+        paged_prefix_attention(**bad, mode="softmax", scale=1.0, backend="torch")
+    with pytest.raises(ValueError) as by_plan:
+        plan_prefix_attention(**meta, kv_cache=bad["kv_cache"])
+    assert str(by_op.value) == str(by_plan.value)
+    assert type(by_op.value) is type(by_plan.value)
 
 
 def test_cpu_launch_without_interpreter_is_refused():

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import AttentionBackend, AttentionMode, parse_choice
+from .kernels import _common
 
 __all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "plan_paged_attention",
            "time_buckets"]
@@ -330,17 +331,13 @@ def _tensor(name: str, x, dims: int, device: torch.device, dtype=None, floating:
     return x
 
 
-def _check_offsets(name: str, values: list[int], total: int, what: str) -> None:
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must be non-decreasing offsets from 0 to {total} ({what}), got {values}")
-
-
 def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
                 scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, *, read_tables: bool = True) -> None:
     """Raise ValueError naming the first bad argument (expected vs actual).
 
-    ``read_tables=False`` skips the values of the page table and row layout (the one device-to-host read), for a
-    caller whose :func:`plan_paged_attention` plan was built from these same tensors and checked them already.
+    The page table and row layout go through :func:`relaygr_engine.kernels._common.check_page_table`, the check
+    the Triton kernel's plan runs too. ``read_tables=False`` skips their values (the one device-to-host read), for
+    a caller whose :func:`plan_paged_attention` plan was built from these same tensors and checked them already.
     """
     if not isinstance(q, torch.Tensor):
         raise ValueError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -356,36 +353,8 @@ def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
         raise ValueError(f"kv_cache must have shape [num_pages, 2, page_size, {H}, {D}], got "
                          f"{tuple(kv_cache.shape)}")
     num_pages, _, page_size = kv_cache.shape[:3]
-    for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len),
-                    ("cu_seqlens_q", cu_seqlens_q), ("num_candidates", num_candidates)):
-        _tensor(name, x, 1, dev, dtype=torch.int32)
-    B = num_candidates.numel()
-    for name, x, want in (("kv_indptr", kv_indptr, B + 1), ("kv_last_page_len", kv_last_page_len, B),
-                          ("cu_seqlens_q", cu_seqlens_q, B + 1)):
-        if x.numel() != want:
-            raise ValueError(f"{name} must have {want} entries (B = len(num_candidates) = {B}), got {x.numel()}")
-    if read_tables:
-        # One device-to-host transfer for every value checked below (each read waits for the queued GPU work).
-        parts = [cu_seqlens_q, kv_indptr, kv_last_page_len, num_candidates]
-        if kv_indices.numel():
-            parts += [kv_indices.min().reshape(1), kv_indices.max().reshape(1)]
-        host = torch.cat(parts).tolist()
-        cu, indptr = host[:B + 1], host[B + 1:2 * B + 2]
-        last, ncand = host[2 * B + 2:3 * B + 2], host[3 * B + 2:4 * B + 2]
-        _check_offsets("cu_seqlens_q", cu, total, "rows of q")
-        _check_offsets("kv_indptr", indptr, kv_indices.numel(), "entries of kv_indices")
-        for b in range(B):
-            rows, pages = cu[b + 1] - cu[b], indptr[b + 1] - indptr[b]
-            if not 0 <= ncand[b] <= rows:
-                raise ValueError(f"num_candidates[{b}] must be in [0, {rows}] (user {b}'s rows), got {ncand[b]}")
-            lo, hi = (1, page_size) if pages else (0, 0)
-            if not lo <= last[b] <= hi:
-                raise ValueError(f"kv_last_page_len[{b}] must be in [{lo}, {hi}] (user {b} has {pages} pages), "
-                                 f"got {last[b]}")
-        if kv_indices.numel():
-            lo, hi = host[-2], host[-1]
-            if lo < 0 or hi >= num_pages:
-                raise ValueError(f"kv_indices must hold page ids in [0, {num_pages}), got range [{lo}, {hi}]")
+    _common.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device=dev,
+                             num_pages=num_pages, page_size=page_size, total_q=total, read=read_tables)
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if not (isinstance(hstu_norm, (int, float)) and not isinstance(hstu_norm, bool) and math.isfinite(hstu_norm)
