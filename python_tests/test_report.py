@@ -10,25 +10,61 @@ from relaygr_engine.bench.report import (latency_summary, percentile, render_mar
                                          slo_throughput, write_report)
 
 
-def test_nearest_rank_percentiles():
+def test_percentiles_interpolate_linearly_between_closest_ranks():
     x = np.arange(1, 101)                     # 1..100, shuffled
     np.random.default_rng(0).shuffle(x)
-    assert percentile(x, 99) == 99.0
-    assert percentile(x, 50) == 50.0
-    assert percentile(x, 100) == 100.0
-    assert percentile(np.arange(1, 201), 99) == 198.0
+    assert percentile(x, 99) == pytest.approx(99.01)           # h = 0.99 * 99 = 98.01: 99 + 0.01 * (100 - 99)
+    assert percentile(x, 50) == pytest.approx(50.5)
+    assert percentile(x, 100) == 100.0 and percentile(x, 0) == 1.0
+    assert percentile(np.arange(1, 201), 99) == pytest.approx(198.01)
     assert percentile([5.0], 99) == 5.0
-    assert percentile(np.arange(1, 11), 99) == 10.0          # ceil(9.9) = 10th smallest
-    assert percentile(np.arange(1, 11), 10) == 1.0
-    with pytest.raises(ValueError):
+    assert percentile(np.arange(1, 11), 99) == pytest.approx(9.91)          # h = 8.91
+    assert percentile(np.arange(1, 11), 10) == pytest.approx(1.9)
+    assert percentile(np.arange(1, 11), [0, 50, 100]).tolist() == [1.0, 5.5, 10.0]
+    with pytest.raises(ValueError, match="values must hold at least one sample"):
         percentile([], 50)
-    with pytest.raises(ValueError):
-        percentile([1.0], 0)
+    with pytest.raises(ValueError, match="values must not hold NaN"):
+        percentile([1.0, float("nan")], 50)
+    for q in (-1, 100.5, float("nan"), "p99", [50, 101]):
+        with pytest.raises(ValueError, match=r"q must be a percent in \[0, 100\]"):
+            percentile([1.0], q)
+
+
+def test_every_benchmark_percentile_is_the_same_definition():
+    """report's percentile (the SLO benchmark) is common's (every other benchmark), and it is numpy's default."""
+    from relaygr_engine.bench import common, report
+
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 7, 100, 1001):
+        lat = rng.lognormal(size=n)
+        for q in (0, 1, 50, 90, 99, 99.9, 100):
+            assert report.percentile(lat, q) == common.percentile(lat, q)
+            assert common.percentile(lat, q) == pytest.approx(float(np.percentile(lat, q)), rel=1e-12)
+        s = latency_summary(lat)
+        assert s["p99_ms"] == pytest.approx(common.percentile(lat * 1e3, 99), rel=1e-12)
+
+
+def test_exceed_count_is_when_a_percentile_over_a_threshold_is_certain():
+    """With exceed_count(n, q) samples over a threshold P_q is over it whatever the others; with one fewer, the others
+    can keep it at or below (the SLO benchmark stops a run at that count)."""
+    from relaygr_engine.bench.common import exceed_count
+
+    thr = 1.0
+    for n in (1, 2, 3, 10, 99, 100, 101, 1000):
+        for q in (50, 90, 99, 100):
+            k = exceed_count(n, q)
+            assert 1 <= k <= n
+            assert percentile([2.0] * k + [-1e9] * (n - k), q) > thr
+            assert percentile([2.0] * (k - 1) + [-1e9] * (n - k + 1), q) <= thr
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        exceed_count(0, 99)
+    with pytest.raises(ValueError, match=r"q must be a percent in \[0, 100\]"):
+        exceed_count(10, 101)
 
 
 def test_latency_summary_is_in_milliseconds():
     s = latency_summary(np.arange(1, 101) / 1000.0)
-    assert s["n"] == 100 and s["p99_ms"] == pytest.approx(99.0) and s["p50_ms"] == pytest.approx(50.0)
+    assert s["n"] == 100 and s["p99_ms"] == pytest.approx(99.01) and s["p50_ms"] == pytest.approx(50.5)
     assert s["max_ms"] == pytest.approx(100.0) and s["mean_ms"] == pytest.approx(50.5)
 
 

@@ -24,13 +24,14 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
+
+from .common import percentile
 
 __all__ = ["main", "Shape", "GPU_SHAPES", "CPU_SHAPES"]
 
@@ -167,7 +168,7 @@ def _time(fn: Callable[[], object], device: torch.device, warmup: int, iters: in
             fn()
             _sync(device)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return percentile(times, 50)
 
 
 def _matmul_tflops(flops: float, device, dtype, warmup: int, iters: int) -> float:

@@ -21,7 +21,6 @@ Model: HSTU (or ``--attention softmax``), hidden 64, 2 heads x 32, ``--layers`` 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Optional
 
@@ -30,7 +29,7 @@ import torch
 from ..config import CacheConfig
 from ..engine import RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
-from .common import emit_result, environment
+from .common import emit_result, environment, percentile
 
 LENGTHS = (256, 1024, 4096)
 CANDIDATES = (64, 256)
@@ -128,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     cached_ms.append(t_cached)
             diff = max(float((res.scores - full).abs().max()), float((miss.scores - full).abs().max()))
             worst = max(worst, diff)
-            f, rc, k = (statistics.median(x) for x in (full_ms, recompute_ms, cached_ms))
+            f, rc, k = (percentile(x, 50) for x in (full_ms, recompute_ms, cached_ms))
             rows.append(dict(L=L, C=C, cached_tokens=prefix, full_ms=f, recompute_ms=rc, cached_ms=k,
                              speedup=f / k, speedup_vs_recompute=rc / k, max_abs_diff=diff))
             print(f"{L:>6} {C:>5} {prefix:>7} {f:>10.2f} {rc:>10.2f} {k:>10.2f} {f / k:>7.1f}x {rc / k:>8.1f}x "

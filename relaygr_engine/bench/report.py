@@ -1,7 +1,7 @@
 """Latency statistics, SLO searches, and the Markdown/JSON/PNG report of the SLO benchmark.
 
-Percentiles use the nearest-rank definition: ``P_q`` of ``n`` samples is the ``ceil(q/100 * n)``-th smallest, so it
-is always a measured value and ``P99`` of 100 samples is the 99th smallest (exactly 1% of samples lie above it).
+Percentiles are :func:`relaygr_engine.bench.common.percentile` (re-exported here), the definition every benchmark
+uses: linear interpolation between the closest ranks, numpy's default.
 
 :func:`search_max` finds the largest ``x`` (a QPS, a history length) whose evaluation passes (``P99 <= SLO``):
 
@@ -25,31 +25,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .common import percentile
+
 __all__ = ["percentile", "latency_summary", "SearchResult", "search_max", "search_steps", "search_lockstep",
            "slo_throughput", "result_line",
            "render_markdown", "plot_latency_vs_qps", "plot_max_len", "write_report"]
 
 
 # ----------------------------------------------------------------------------------------------- statistics
-def percentile(values, q: float) -> float:
-    """Nearest-rank percentile: the ``ceil(q/100 * n)``-th smallest of ``values`` (``q`` in (0, 100]).
-
-    Raises ValueError for an empty input or ``q`` outside (0, 100].
-    """
-    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
-    if x.size == 0:
-        raise ValueError("percentile of an empty sample")
-    if not (isinstance(q, (int, float)) and 0 < q <= 100):
-        raise ValueError(f"q must be in (0, 100], got {q!r}")
-    k = max(1, math.ceil(q / 100.0 * x.size - 1e-9))
-    return float(x[k - 1])
-
-
 def latency_summary(latency_s) -> dict:
     """``n``, ``mean_ms``, ``p50_ms``, ``p90_ms``, ``p99_ms``, ``max_ms`` of latencies given in seconds."""
     x = np.asarray(latency_s, dtype=np.float64) * 1e3
-    return {"n": int(x.size), "mean_ms": float(x.mean()), "p50_ms": percentile(x, 50), "p90_ms": percentile(x, 90),
-            "p99_ms": percentile(x, 99), "max_ms": float(x.max())}
+    p50, p90, p99 = percentile(x, [50, 90, 99]).tolist()
+    return {"n": int(x.size), "mean_ms": float(x.mean()), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99,
+            "max_ms": float(x.max())}
 
 
 # ----------------------------------------------------------------------------------------------- searches

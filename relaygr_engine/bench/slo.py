@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from . import report as rpt
+from .common import exceed_count
 from .serving import BaselineImpl, BaselineService, Mode, RelayService, TriggerHook, cpu_timer, simulate
 from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
                        synthesize_interactions)
@@ -78,7 +79,8 @@ interference (caches, memory bandwidth and sibling hyper-threads are shared: the
 as long under load), so the search repeats the points where noise can decide: a point whose P99 lies within
 ``noise_band`` of the SLO is run ``repeats`` times and the majority decides.
 
-**Statistics.** P50/P99 are nearest-rank percentiles over the measured requests of a run. The SLO-compliant
+**Statistics.** P50/P99 are percentiles over the measured requests of a run, interpolated linearly between the
+closest ranks (numpy's default; the definition every benchmark of the package uses). The SLO-compliant
 throughput is the highest QPS whose P99 <= SLO, found by a geometric sweep then bisection (each result is a
 passing QPS with a failing QPS just above it); the longest history is searched the same way over page-aligned
 lengths. The modes' searches run in lockstep (one evaluation of each mode in turn), so slow drift of a shared
@@ -294,7 +296,7 @@ class _Bench:
         n = len(w.measured)
         stop = None
         if early_stop and not self.args.full_runs:
-            stop = (self.args.slo_ms / 1e3, n - math.ceil(0.99 * n) + 1)   # that many over SLO: P99 > SLO
+            stop = (self.args.slo_ms / 1e3, exceed_count(n, 99))   # that many over SLO: P99 > SLO
         res = simulate(svc, w, qps, mode=mode, timer=self.timer, progress=self.progress, stop_over=stop)
         return summarize(res)
 

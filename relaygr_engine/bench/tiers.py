@@ -12,7 +12,6 @@ Per prefix length L, in one run on one engine:
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 
 import relaygr_engine as rg
 
-from .common import emit_result, environment
+from .common import emit_result, environment, percentile
 
 NEW_TOKENS = 16
 
@@ -39,7 +38,7 @@ def _time(fn, device, repeats: int) -> float:
         fn()
         _sync(device)
         out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    return percentile(out, 50)
 
 
 def _history(L: int, num_items: int, seed: int) -> rg.Behaviors:

@@ -76,6 +76,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .common import percentile
+
 __all__ = [
     "InteractionLog", "WorkloadConfig", "Request", "Workload", "read_interactions", "remap_items", "action_ids",
     "compress_times", "build_workload", "fit_profile", "save_profile", "load_profile", "synthesize_interactions",
@@ -465,8 +467,8 @@ class Workload:
         d.update({
             "requests": len(self.requests) - W, "warmup_requests": W,
             "users": int(np.unique(users[W:]).shape[0]),
-            "history_len_p50": float(np.median(lens)) if lens.size else 0.0,
-            "history_len_p90": float(np.quantile(lens, 0.9)) if lens.size else 0.0,
+            "history_len_p50": percentile(lens, 50) if lens.size else 0.0,
+            "history_len_p90": percentile(lens, 90) if lens.size else 0.0,
             "history_len_max": int(lens.max()) if lens.size else 0,
             "history_len_mean": float(lens.mean()) if lens.size else 0.0,
         })
@@ -479,7 +481,7 @@ class Workload:
                     gaps.append(a - last[u])
                 last[u] = a
             d["rerequest_share"] = len(gaps) / max(1, len(self.requests) - W)
-            d["rerequest_gap_p50_s"] = float(np.median(gaps)) if gaps else float("nan")
+            d["rerequest_gap_p50_s"] = percentile(gaps, 50) if gaps else float("nan")
         return d
 
 
@@ -648,9 +650,9 @@ def fit_profile(log: InteractionLog, name: str = "") -> dict:
         "name": name or Path(log.source).name,
         "num_users": int(starts.shape[0]), "num_events": len(log), "num_items": int(counts.shape[0]),
         "time_range_s": [int(times.min()), int(times.max())],
-        "events_per_user": {"q": _Q_BODY.round(4).tolist(), "v": np.quantile(lens, _Q_BODY).round(2).tolist()},
+        "events_per_user": {"q": _Q_BODY.round(4).tolist(), "v": percentile(lens, 100 * _Q_BODY).round(2).tolist()},
         "gap_s": {"q": _Q_GAPS.round(4).tolist(),
-                  "v": (np.quantile(gaps, _Q_GAPS).round(2).tolist() if gaps.size else [0.0] * _Q_GAPS.size)},
+                  "v": (percentile(gaps, 100 * _Q_GAPS).round(2).tolist() if gaps.size else [0.0] * _Q_GAPS.size)},
         "item_popularity": {"rank": ranks.tolist(), "cum_share": cum[ranks - 1].round(6).tolist()},
         "action_kind": log.action_kind,
     }
@@ -737,8 +739,8 @@ def _log_stats(log: InteractionLog) -> dict:
     lens = np.diff(np.append(starts, users.shape[0]))
     gaps = np.diff(log.timestamps)[users[1:] == users[:-1]]
     return {"events": len(log), "users": int(starts.shape[0]), "items": log.num_distinct_items,
-            "events_per_user_p50": float(np.median(lens)), "events_per_user_p90": float(np.quantile(lens, 0.9)),
-            "events_per_user_max": int(lens.max()), "gap_p50_s": float(np.median(gaps)) if gaps.size else 0.0,
+            "events_per_user_p50": percentile(lens, 50), "events_per_user_p90": percentile(lens, 90),
+            "events_per_user_max": int(lens.max()), "gap_p50_s": percentile(gaps, 50) if gaps.size else 0.0,
             "gap_le_60s_share": float(np.mean(gaps <= 60)) if gaps.size else 0.0}
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..bench.common import percentile
 from . import _checks
 
 __all__ = ["LatencyPoint", "LatencyModel", "calibrate", "fit_coefficients", "PROFILE_FORMAT"]
@@ -342,7 +343,7 @@ def calibrate(fn: Callable[[int, int], Any], lengths: Sequence[int], cand_counts
             t0 = timer()
             fn(L, C)
             samples[(L, C)].append((timer() - t0) * 1e3)
-    points = [LatencyPoint(L, C, max(float(np.quantile(samples[(L, C)], q)), 0.0)) for L, C in grid]
+    points = [LatencyPoint(L, C, max(percentile(samples[(L, C)], 100 * q), 0.0)) for L, C in grid]
     info = dict(meta or {})
     info.update(repeats=repeats, warmup=warmup, quantile=q)
     return LatencyModel.fit(points, device=device, meta=info)

@@ -25,6 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..bench.common import percentile
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -105,8 +107,8 @@ def _run_one(args, spec, users, n: int) -> dict:
         serve.delete(name)
     lat = np.array(rank_ms)
     s = client.stats()
-    return {"replicas": n, "requests": len(lat), "rps": len(lat) / wall, "rank_p50_ms": float(np.percentile(lat, 50)),
-            "rank_p99_ms": float(np.percentile(lat, 99)), "hbm_share": sources.count("hbm") / len(sources),
+    return {"replicas": n, "requests": len(lat), "rps": len(lat) / wall, "rank_p50_ms": percentile(lat, 50),
+            "rank_p99_ms": percentile(lat, 99), "hbm_share": sources.count("hbm") / len(sources),
             "prefill_forwarded": s["prefill_forwarded"], "prefill_not_landed": s["prefill_not_landed"]}
 
 
