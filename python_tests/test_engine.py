@@ -358,8 +358,11 @@ def test_extension_keeps_following_the_history():
 
 def test_engine_constructor_checks():
     model = make_model()
-    with pytest.raises(ValueError, match="model must be a GRRanker"):
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got object"):
         rg.RelayEngine(object(), rg.CacheConfig())
+    with pytest.raises(ValueError, match="at least one relaygr_engine.PrefixAttention layer.*TransformerEncoder"):
+        layer = torch.nn.TransformerEncoderLayer(16, 2, batch_first=True)
+        rg.RelayEngine(torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), rg.CacheConfig())
     with pytest.raises(ValueError, match="trigger must be None or have decide"):
         rg.RelayEngine(model, rg.CacheConfig(num_pages=8), trigger=object())
     engine = rg.RelayEngine(model, rg.CacheConfig(num_pages=8))

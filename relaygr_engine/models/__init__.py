@@ -5,10 +5,11 @@ embeddings), then the candidates. History token ``t`` sits at position ``t``; ev
 ``T`` (the history length). History attention is causal; each candidate attends to all history tokens and to
 itself only (target mask), so a candidate's score never depends on the other candidates in the request.
 
+The ranker is one model built on the public pieces a user's own ranker uses: its layers call
+:class:`relaygr_engine.PrefixAttention` and ``GRRanker(batch)`` takes a :class:`relaygr_engine.RelayBatch`.
 ``GRRanker.rank_full`` scores a request with dense masked attention (the oracle); ``GRRanker.rank_uncached``
 computes the same scores with no cache through the paged op (the efficient no-cache baseline);
-``GRRanker.forward_paged`` runs new rows of many users over their cached prefix pages through
-:func:`relaygr_engine.ops.paged_prefix_attention` (what :class:`relaygr_engine.RelayEngine` uses).
+:class:`relaygr_engine.RelayEngine` runs ``GRRanker(batch)`` over cached prefix pages.
 
 Parameters (``state_dict`` names)
 ---------------------------------
@@ -60,7 +61,7 @@ Softmax layer (pre-LN): ``x += out_proj(softmax(q.k / sqrt(D)) v)``; ``x += ffn_
 """
 from __future__ import annotations
 
-from .behaviors import Behaviors
+from ..behaviors import Behaviors
 from .config import GRModelConfig
 from .layers import HSTULayer, SoftmaxLayer
 from .ranker import GRRanker, build_ranker

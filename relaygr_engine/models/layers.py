@@ -1,18 +1,16 @@
-"""HSTU and softmax-transformer layers, split around attention.
+"""HSTU and softmax-transformer layers built on :class:`~relaygr_engine.layer.PrefixAttention`.
 
-Each layer is ``project`` (rows -> q, k, v), attention, then ``finish`` (attention output -> new rows). The
-attention in between is either the paged op (:func:`relaygr_engine.ops.paged_prefix_attention`, the cached path)
-or :meth:`attend_dense` (dense masked attention over a whole sequence, the oracle). The K and V that ``project``
+Each layer is ``project`` (rows -> q, k, v), its ``attn`` (a ``PrefixAttention``: the paged op in a relay forward,
+dense masked attention otherwise), then ``finish`` (attention output -> new rows). The K and V that ``project``
 returns for a history token are what the prefix cache stores for that layer.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layer import PrefixAttention
 from .config import GRModelConfig
 
 __all__ = ["HSTULayer", "SoftmaxLayer", "make_layer"]
@@ -36,6 +34,12 @@ class HSTULayer(nn.Module):
         self.time_bias = nn.Parameter(torch.zeros(config.num_time_buckets))
         self.output_norm = nn.LayerNorm(width)
         self.out_proj = nn.Linear(width, config.hidden_dim)
+        self.attn = PrefixAttention("hstu", config.num_heads, config.head_dim, scale=self.alpha, hstu_norm=self.norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x [R, hidden]`` of the running forward's batch -> ``[R, hidden]``."""
+        q, k, v, u = self.project(x)
+        return self.finish(x, self.attn(q, k, v, pos_bias=self.rel_pos_bias, ts_bias=self.time_bias), u)
 
     def project(self, x: torch.Tensor):
         """Rows ``x [T, hidden]`` -> ``q, k, v [T, H, D]`` and ``SiLU(u) [T, H*D]`` (kept for :meth:`finish`)."""
@@ -46,35 +50,6 @@ class HSTULayer(nn.Module):
     def finish(self, x: torch.Tensor, o: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual update from the attention output ``o [T, H, D]``; returns ``[T, hidden]``."""
         return x + self.out_proj(u * self.output_norm(o.reshape(o.shape[0], -1)))
-
-    def op_kwargs(self, use_time: bool) -> dict:
-        """Keyword arguments of :func:`~relaygr_engine.ops.paged_prefix_attention` for this layer."""
-        return dict(mode="hstu", scale=self.alpha, hstu_norm=self.norm, pos_bias=self.rel_pos_bias,
-                    ts_bias=self.time_bias if use_time else None)
-
-    def attend_dense(self, q, k, v, visible: torch.Tensor, dist: torch.Tensor,
-                     buckets: Optional[torch.Tensor]) -> torch.Tensor:
-        """Dense masked attention over one whole sequence (the oracle).
-
-        Parameters
-        ----------
-        q, k, v : Tensor [N, H, D]
-        visible : BoolTensor [N, N]
-            ``visible[i, j]``: query ``i`` sees key ``j``.
-        dist : LongTensor [N, N]
-            Position distance ``pos_i - pos_j`` clamped to ``[0, max_seq_len]``.
-        buckets : LongTensor [N, N], optional
-            Time bucket of ``t_i - t_j`` (None: no time bias).
-
-        Returns
-        -------
-        Tensor [N, H, D]
-        """
-        s = torch.einsum("ihd,jhd->hij", q, k).mul_(self.alpha).add_(self.rel_pos_bias[dist])
-        if buckets is not None:
-            s.add_(self.time_bias[buckets])
-        a = F.silu(s, inplace=True).masked_fill_(~visible, 0.0)
-        return torch.einsum("hij,jhd->ihd", a, v).div_(self.norm)
 
 
 class SoftmaxLayer(nn.Module):
@@ -91,6 +66,12 @@ class SoftmaxLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.hidden_dim)
         self.ffn_in = nn.Linear(config.hidden_dim, config.ffn_dim)
         self.ffn_out = nn.Linear(config.ffn_dim, config.hidden_dim)
+        self.attn = PrefixAttention("softmax", config.num_heads, config.head_dim, scale=self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x [R, hidden]`` of the running forward's batch -> ``[R, hidden]``."""
+        q, k, v, _ = self.project(x)
+        return self.finish(x, self.attn(q, k, v))
 
     def project(self, x: torch.Tensor):
         """Rows ``x [T, hidden]`` -> ``q, k, v [T, H, D]`` (and None: nothing kept for :meth:`finish`)."""
@@ -102,16 +83,6 @@ class SoftmaxLayer(nn.Module):
         """Residual attention update from ``o [T, H, D]`` then the feed-forward block; returns ``[T, hidden]``."""
         x = x + self.out_proj(o.reshape(o.shape[0], -1))
         return x + self.ffn_out(F.gelu(self.ffn_in(self.ffn_norm(x))))
-
-    def op_kwargs(self, use_time: bool) -> dict:
-        """Keyword arguments of :func:`~relaygr_engine.ops.paged_prefix_attention` for this layer."""
-        return dict(mode="softmax", scale=self.scale)
-
-    def attend_dense(self, q, k, v, visible: torch.Tensor, dist=None, buckets=None) -> torch.Tensor:
-        """Dense masked softmax attention over one whole sequence (the oracle); see :meth:`HSTULayer.attend_dense`."""
-        s = torch.einsum("ihd,jhd->hij", q, k).mul_(self.scale).masked_fill_(~visible, float("-inf"))
-        a = torch.softmax(s, dim=-1)
-        return torch.einsum("hij,jhd->ihd", a, v)
 
 
 def make_layer(config: GRModelConfig) -> nn.Module:

@@ -1,0 +1,240 @@
+"""``RelayBatch``: the rows a ranker's forward receives, many users flattened, no padding.
+
+Token layout of one request (user): its contextual tokens (``Behaviors.context_ids``), then its behaviors, then its
+candidates. History token ``t`` (contextual or behavior) sits at position ``t``; every candidate sits at position
+``T`` (the history length). A batch holds, per user, only the rows computed *now*: the history tokens after the
+user's cached prefix (``start .. T-1``), then its candidates. A no-cache batch (:meth:`RelayBatch.full`) starts at 0.
+
+Timestamps: a behavior's row carries its own timestamp, a contextual token the first behavior's, and a candidate
+the request time (``request_time``, default the last behavior's timestamp).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence
+
+import torch
+
+from .behaviors import Behaviors
+
+__all__ = ["RelayBatch", "check_request", "request_time_of"]
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def request_time_of(history: Behaviors, request_time) -> Optional[int]:
+    """The candidates' timestamp of a request: ``request_time``, or the last behavior's; None without timestamps.
+
+    Raises
+    ------
+    ValueError
+        ``request_time`` not an int64 integer, or given for a history without timestamps.
+    """
+    if request_time is None:
+        return None if history.timestamps is None else int(history.timestamps[-1])
+    if isinstance(request_time, bool):
+        raise ValueError(f"request_time must be an integer time in seconds, got {request_time!r}")
+    try:
+        t = operator.index(request_time.item() if isinstance(request_time, torch.Tensor) else request_time)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"request_time must be an integer time in seconds, got {request_time!r}") from None
+    if not _INT64_MIN <= t <= _INT64_MAX:
+        raise ValueError(f"request_time must fit in int64, got {t}")
+    if history.timestamps is None:
+        raise ValueError("request_time applies to a history with timestamps; got a history without them")
+    return t
+
+
+def check_request(history: Behaviors, candidates: Optional[torch.Tensor], request_time,
+                  device: torch.device) -> Optional[int]:
+    """Check a request's structure on ``device``; return the candidates' timestamp (None without timestamps).
+
+    Raises
+    ------
+    ValueError
+        Not a :class:`Behaviors`; wrong device; empty history; candidates (when given) not a non-empty 1-D int64
+        tensor on ``device``; ``request_time`` not an int64 integer, or given for a history without timestamps.
+        Id ranges and lengths are the model's to check (``check_inputs``).
+    """
+    if not isinstance(history, Behaviors):
+        raise ValueError(f"history must be a Behaviors, got {type(history).__name__}")
+    if history.device != device:
+        raise ValueError(f"history must be on {device} (the model's device), got {history.device}")
+    if len(history) == 0:
+        raise ValueError("history must hold at least one behavior, got 0")
+    if candidates is not None:
+        if not isinstance(candidates, torch.Tensor) or candidates.dim() != 1 or candidates.dtype != torch.long:
+            got = (f"{tuple(candidates.shape)} {candidates.dtype}" if isinstance(candidates, torch.Tensor)
+                   else type(candidates).__name__)
+            raise ValueError(f"candidates must be a 1-D int64 tensor of item ids, got {got}")
+        if candidates.device != device:
+            raise ValueError(f"candidates must be on {device} (the model's device), got {candidates.device}")
+        if candidates.numel() == 0:
+            raise ValueError("candidates must hold at least one item id, got 0")
+    return request_time_of(history, request_time)
+
+
+@dataclass(frozen=True, eq=False)
+class RelayBatch:
+    """Rows of many users, flattened: each user's new history rows, then its candidates.
+
+    Build one with :meth:`full` (one whole request, no cache: training and the oracle) or :meth:`from_requests`;
+    the engine builds them for relay forwards. ``R`` rows, ``B`` users; every tensor is on one device.
+
+    Attributes
+    ----------
+    item_ids : LongTensor [R]
+        Item id of a behavior or candidate row; the context id of a contextual-token row.
+    action_ids : LongTensor [R] or None
+        Action of a behavior row (0 on other rows); None when the histories have no action ids.
+    timestamps : LongTensor [R] or None
+        Row timestamps (see the module docstring); None when the histories have no timestamps.
+    positions : LongTensor [R]
+        History token ``t`` at position ``t``; candidates at ``T``.
+    is_candidate : BoolTensor [R]
+    is_context : BoolTensor [R]
+        Contextual user-feature rows (``Behaviors.context_ids``).
+    cu_seqlens : IntTensor [B+1]
+        Row offsets of each user's segment (int32).
+    num_candidates : IntTensor [B]
+        The last ``num_candidates[b]`` rows of segment ``b`` are candidates (int32).
+    start : tuple of int, length B
+        Cached history tokens of each user (the position of its first row); 0 in a no-cache batch.
+    rows, candidates_per_user : tuple of int, length B
+        Host copies of the segment lengths and of ``num_candidates`` (no device read needed).
+    """
+
+    item_ids: torch.Tensor
+    action_ids: Optional[torch.Tensor]
+    timestamps: Optional[torch.Tensor]
+    positions: torch.Tensor
+    is_candidate: torch.Tensor
+    is_context: torch.Tensor
+    cu_seqlens: torch.Tensor
+    num_candidates: torch.Tensor
+    start: tuple
+    rows: tuple
+    candidates_per_user: tuple
+
+    # ------------------------------------------------------------------------------------------ building
+    @classmethod
+    def full(cls, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None) -> "RelayBatch":
+        """The no-cache batch of one whole request: every history token, then the candidates.
+
+        Parameters
+        ----------
+        history : Behaviors
+        candidates : LongTensor [C]
+        request_time : int, optional
+            The candidates' timestamp (default: the last behavior's).
+        """
+        return cls.from_requests([(history, 0, candidates, request_time)])
+
+    @classmethod
+    def from_requests(cls, parts: Sequence[tuple]) -> "RelayBatch":
+        """A batch of ``(history, start, candidates, request_time)`` parts, one per user, in order.
+
+        ``start`` history tokens of a part are cached (not in the batch); ``candidates`` may be None (a prefill).
+        Structure is checked; ids are not (that is the model's business).
+        """
+        if not parts:
+            raise ValueError("parts must hold at least one (history, start, candidates, request_time) part, got 0")
+        h0 = parts[0][0]
+        dev, timed, acted = h0.device, h0.timestamps is not None, h0.action_ids is not None
+        items, actions, times, pos, cand, ctx = [], [], [], [], [], []
+        starts, rows, ncand = [], [], []
+        for i, (h, start, c, t_req) in enumerate(parts):
+            if not isinstance(h, Behaviors):
+                raise ValueError(f"parts[{i}] history must be a Behaviors, got {type(h).__name__}")
+            if (h.timestamps is not None) != timed or (h.action_ids is not None) != acted:
+                raise ValueError(f"parts[{i}] must have timestamps and action ids like parts[0] "
+                                 f"(timestamps={timed}, action_ids={acted})")
+            U, T = h.num_context_tokens, h.num_tokens
+            if not (isinstance(start, int) and 0 <= start <= T):
+                raise ValueError(f"parts[{i}] start must be an integer in [0, {T}], got {start!r}")
+            C = 0 if c is None else c.numel()
+            if c is not None and (c.dim() != 1 or c.dtype != torch.long or c.device != dev):
+                raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev}, got "
+                                 f"{tuple(c.shape)} {c.dtype} on {c.device}")
+            b0 = max(0, start - U)
+            pieces = [h.context_ids[start:]] if start < U else []
+            pieces.append(h.item_ids[b0:])
+            if C:
+                pieces.append(c)
+            items.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+            n_ctx = max(0, U - start)
+            n_hist = T - start
+            if acted:
+                a = h.action_ids[b0:]
+                if n_ctx or C:
+                    a = torch.cat([a.new_zeros(n_ctx), a, a.new_zeros(C)])
+                actions.append(a)
+            if timed:
+                ts = h.timestamps
+                parts_t = [ts[:1].expand(n_ctx)] if n_ctx else []
+                parts_t.append(ts[b0:])
+                if C:
+                    parts_t.append(ts.new_full((C,), request_time_of(h, t_req)))
+                times.append(torch.cat(parts_t) if len(parts_t) > 1 else parts_t[0])
+            p = torch.arange(start, T + C, device=dev)
+            pos.append(p.clamp_(max=T) if C > 1 else p)
+            cand.append(C)
+            ctx.append(n_ctx)
+            starts.append(start)
+            rows.append(n_hist + C)
+            ncand.append(C)
+        R = sum(rows)
+        flags = torch.zeros(R, dtype=torch.bool, device=dev)
+        is_candidate, is_context = flags, flags.clone()
+        r = 0
+        for n, C, k in zip(rows, ncand, ctx):
+            if C:
+                is_candidate[r + n - C:r + n] = True
+            if k:
+                is_context[r:r + k] = True
+            r += n
+        cu = [0]
+        for n in rows:
+            cu.append(cu[-1] + n)
+        cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))
+        return cls(item_ids=cat(items), action_ids=cat(actions) if acted else None,
+                   timestamps=cat(times) if timed else None, positions=cat(pos), is_candidate=is_candidate,
+                   is_context=is_context, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+                   num_candidates=torch.tensor(ncand, dtype=torch.int32, device=dev), start=tuple(starts),
+                   rows=tuple(rows), candidates_per_user=tuple(ncand))
+
+    # ------------------------------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return self.item_ids.numel()
+
+    def __repr__(self) -> str:
+        return (f"RelayBatch(users={self.num_users}, rows={len(self)}, candidates={self.num_candidate_rows}, "
+                f"timestamps={self.timestamps is not None}, device={self.device})")
+
+    @property
+    def device(self) -> torch.device:
+        return self.item_ids.device
+
+    @property
+    def num_users(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_candidate_rows(self) -> int:
+        return sum(self.candidates_per_user)
+
+    @cached_property
+    def candidate_rows(self) -> torch.Tensor:
+        """Row indices of the candidates, in batch order: LongTensor [number of candidate rows]."""
+        idx, r = [], 0
+        for n, C in zip(self.rows, self.candidates_per_user):
+            idx.extend(range(r + n - C, r + n))
+            r += n
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def is_behavior(self) -> torch.Tensor:
+        """BoolTensor [R]: behavior rows (neither contextual tokens nor candidates)."""
+        return ~(self.is_candidate | self.is_context)

@@ -1,0 +1,136 @@
+"""The forward context: what a :class:`~relaygr_engine.layer.PrefixAttention` reads while a model runs.
+
+A model's forward receives a :class:`~relaygr_engine.batch.RelayBatch`; its attention layers find the batch, and in
+a relay forward the pages, through the context set around the call (as vLLM's and SGLang's attention layers do):
+
+* :func:`batch_context` (dense): no cache; each layer runs dense masked attention over the batch. Training, the
+  oracle and tests use it; a model may also enter it in its own ``forward`` so that a plain ``model(batch)`` call
+  works (inside a relay forward it does nothing).
+* :func:`paged_context` (relay): set by the engine. Each layer writes the new history rows' K/V into their pages
+  and attends over the cached prefix pages with the batch's plan (built once for all layers).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .batch import RelayBatch
+
+__all__ = ["ForwardContext", "PagedState", "batch_context", "current_context", "find_layers", "paged_context"]
+
+
+@dataclass(eq=False)
+class PagedState:
+    """The pages of one relay forward, shared by every layer.
+
+    Attributes
+    ----------
+    kv_caches : list of Tensor [num_pages, 2, page_size, H, D]
+        One per registered layer (index = registration order in ``model.modules()``).
+    kv_indptr, kv_indices, kv_last_page_len : IntTensor
+        Each user's cached prefix pages (FlashInfer's layout; see :func:`relaygr_engine.ops.paged_prefix_attention`).
+    ts_cache : LongTensor [num_pages, page_size] or None
+        Timestamps of the cached tokens (None when the batch has no timestamps).
+    write_rows : LongTensor [W] or None
+        Batch rows whose K/V each layer stores in the cache (new history rows of entries being written).
+    write_pages, write_slots : LongTensor [W] or None
+        Where row ``write_rows[i]`` goes: page ``write_pages[i]``, slot ``write_slots[i]``.
+    backend : AttentionBackend
+    plan : PrefixAttentionPlan or None
+        The Triton schedule of the batch (None on the torch backend).
+    """
+
+    kv_caches: Sequence[torch.Tensor]
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    ts_cache: Optional[torch.Tensor]
+    backend: object
+    write_rows: Optional[torch.Tensor] = None
+    write_pages: Optional[torch.Tensor] = None
+    write_slots: Optional[torch.Tensor] = None
+    plan: object = None
+    validated: bool = False  # the first layer checked the op's arguments (later layers share them)
+    _slot_mapping: Optional[torch.Tensor] = None
+
+    def slot_mapping(self, num_rows: int, page_size: int) -> torch.Tensor:
+        """``page * page_size + slot`` of every batch row, -1 where a row is not stored (the Triton ``kv_write``)."""
+        if self._slot_mapping is None:
+            m = torch.full((num_rows,), -1, dtype=torch.long, device=self.kv_indptr.device)
+            if self.write_rows is not None:
+                m[self.write_rows] = self.write_pages * page_size + self.write_slots
+            self._slot_mapping = m
+        return self._slot_mapping
+
+
+@dataclass(eq=False)
+class ForwardContext:
+    """The batch a forward runs on, and its pages in a relay forward (``paged`` None: dense attention)."""
+
+    batch: RelayBatch
+    paged: Optional[PagedState] = None
+    layer_index: dict = field(default_factory=dict)  # id(PrefixAttention) -> its layer index (relay forwards)
+    dense_cache: dict = field(default_factory=dict)  # per-user masks and bias indices, shared by the layers
+
+
+_CONTEXT: contextvars.ContextVar[Optional[ForwardContext]] = contextvars.ContextVar("relaygr_forward_context",
+                                                                                  default=None)
+
+
+def current_context() -> Optional[ForwardContext]:
+    """The context of the forward running now, or None outside any."""
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def _set(ctx: ForwardContext):
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def batch_context(batch: RelayBatch):
+    """Run the attention layers called inside over ``batch`` with dense masked attention (no cache).
+
+    A no-op when a forward over this same batch is already running (e.g. the engine's relay forward), so a model
+    may enter it in its own ``forward``.
+
+    Parameters
+    ----------
+    batch : RelayBatch
+        Every user's rows must start at position 0 (dense attention cannot see a cached prefix).
+    """
+    if not isinstance(batch, RelayBatch):
+        raise ValueError(f"batch must be a RelayBatch, got {type(batch).__name__}")
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.batch is batch:
+        yield ctx
+        return
+    if any(batch.start):
+        raise ValueError(f"batch must start every user at position 0 for dense attention (no cache), got starts "
+                         f"{list(batch.start)}")
+    with _set(ForwardContext(batch)) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def paged_context(batch: RelayBatch, paged: PagedState, layers: Sequence[nn.Module]):
+    """Run a relay forward of ``batch`` over ``paged``; ``layers`` are the model's attention layers in order."""
+    with _set(ForwardContext(batch, paged, {id(m): i for i, m in enumerate(layers)})) as c:
+        yield c
+
+
+def find_layers(model: nn.Module) -> list:
+    """The :class:`~relaygr_engine.layer.PrefixAttention` modules of ``model`` in registration order."""
+    from .layer import PrefixAttention
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return [m for m in model.modules() if isinstance(m, PrefixAttention)]

@@ -1,0 +1,438 @@
+"""``RelayEngine``: the public API and its lock; the steps live beside it (index, prefill, tiers, forward)."""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..batch import check_request
+from ..behaviors import Behaviors
+from ..config import CacheConfig
+from ..context import find_layers
+from ..identity import WeightsIdentity
+from ..policy._checks import user_id as _user_id
+from .forward import ForwardRunner
+from .index import PrefixIndex
+from .prefill import PrefillPlanner
+from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
+from .tiers import CacheState
+
+__all__ = ["RelayEngine"]
+
+
+def _clock(now) -> float:
+    if now is None:
+        return time.monotonic()
+    try:
+        t = float(now)
+    except (TypeError, ValueError):
+        raise ValueError(f"now must be a finite time in seconds, got {now!r}") from None
+    if not math.isfinite(t):
+        raise ValueError(f"now must be a finite time in seconds, got {now!r}")
+    return t
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _model_device(model: nn.Module) -> Optional[torch.device]:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+def _cache_shape(layers) -> tuple[int, int]:
+    """``(num_heads, cache_dim)`` shared by every layer (one paged cache shape for all layers)."""
+    H, D = layers[0].num_heads, layers[0].cache_dim
+    for i, m in enumerate(layers):
+        if (m.num_heads, m.cache_dim) != (H, D):
+            raise ValueError(f"every PrefixAttention layer must cache {H} heads x {D} (layer 0's), got layer {i} "
+                             f"with {m.num_heads} heads x {m.cache_dim}")
+    return H, D
+
+
+class RelayEngine:
+    """Relay-race inference for one ranker over a paged prefix-KV cache.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A ranker holding :class:`~relaygr_engine.layer.PrefixAttention` layers, called as
+        ``model(batch) -> scores [number of candidate rows, num_tasks]`` (see :mod:`relaygr_engine.engine`), on the
+        cache's device. A model with a ``check_inputs(history, candidates, request_time)`` method (like
+        :class:`~relaygr_engine.models.GRRanker`) has it called on every request before any state changes.
+    cache_config : CacheConfig, optional
+        Where and how the cache lives (default ``CacheConfig()``: CPU, fp32, 4096 pages of 16 tokens).
+    trigger : object, optional
+        Pre-inference admission hook (see :mod:`relaygr_engine.engine`); None admits every prefill the pool can take.
+    extend_on_rank : bool
+        Append the new history tokens' KV to the reused entry while ranking (default True).
+    store_misses : bool
+        Keep the history KV of a ranking that found nothing cached as a new evictable entry (default False: it
+        may evict the least recently used entry; relay serving under load turns it on so that the cache keeps
+        up when pre-inferences are dropped).
+    model_version : str, optional
+        The model part of every prefix fingerprint. Default: a hash of the model's state dict, recomputed when a
+        tensor of it changes. Give a version string when the weights are managed elsewhere (and change it with
+        them: cached prefixes of another version are never reused).
+    """
+
+    def __init__(self, model: nn.Module, cache_config: Optional[CacheConfig] = None, trigger=None, *,
+                 extend_on_rank: bool = True, store_misses: bool = False,
+                 model_version: Optional[str] = None) -> None:
+        layers = find_layers(model)
+        if not layers:
+            raise ValueError(f"model must hold at least one relaygr_engine.PrefixAttention layer (where its "
+                             f"attention call was), got a {type(model).__name__} without one")
+        cache_config = CacheConfig() if cache_config is None else cache_config
+        if not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+        dev = _model_device(model)
+        if dev is not None and not _same_device(dev, torch.device(cache_config.device)):
+            raise ValueError(f"model must be on the cache device {cache_config.device}, got {dev}")
+        if trigger is not None and not all(callable(getattr(trigger, m, None)) for m in ("decide", "on_prefill_done")):
+            raise ValueError(f"trigger must be None or have decide(...) and on_prefill_done(...) methods, got "
+                             f"{type(trigger).__name__}")
+        if model_version is not None and not (isinstance(model_version, str) and model_version):
+            raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
+        H, D = _cache_shape(layers)
+        self.model = model
+        self.layers = layers
+        self.config = cache_config
+        self.trigger = trigger
+        self.extend_on_rank = bool(extend_on_rank)
+        self.store_misses = bool(store_misses)
+        self.model_version = model_version
+        self._weights = None if model_version is not None else WeightsIdentity(model)
+        self.state = CacheState.build(cache_config, len(layers), H, D)
+        self.cache, self.dram, self.expander = self.state.cache, self.state.dram, self.state.expander
+        self.pool, self.page_size = self.cache.pool, self.cache.page_size
+        self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
+        self.prefill = PrefillPlanner(self.state, self.index, trigger)
+        self.runner = ForwardRunner(model, layers, self.state)
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return (f"RelayEngine(model={type(self.model).__name__}, layers={len(self.layers)}, cache={self.cache!r}, "
+                f"trigger={type(self.trigger).__name__ if self.trigger else None})")
+
+    def model_identity(self) -> int:
+        """The model part of prefix fingerprints (64 bits): ``model_version``'s hash, or the state dict's."""
+        if self._weights is None:
+            return int.from_bytes(hashlib.blake2b(self.model_version.encode(), digest_size=8).digest(), "little")
+        return self._weights.value
+
+    def mark_weights_changed(self) -> None:
+        """Rehash the model's state on the next call (after replacing a submodule or editing ``.data``)."""
+        if self._weights is not None:
+            self._weights.invalidate()
+
+    # ------------------------------------------------------------------------------------------ prefill
+    def prefill_prefix(self, user_id: int, history: Behaviors, now: Optional[float] = None) -> PrefixTicket:
+        """Pre-infer ``history`` (a user's prefix) and keep its per-layer KV cached under a lease.
+
+        Parameters
+        ----------
+        user_id : int
+            In ``[0, 2**64)``.
+        history : Behaviors
+            The prefix, oldest first.
+        now : float, optional
+            Pool-clock time in seconds (default ``time.monotonic()``).
+
+        Returns
+        -------
+        PrefixTicket
+
+        Raises
+        ------
+        ValueError
+            Bad input, before any cache state changes.
+        """
+        return self.prefill_prefix_batch([(user_id, history)], now=now)[0]
+
+    def prefill_prefix_batch(self, items: Sequence[tuple[int, Behaviors]],
+                             now: Optional[float] = None) -> list[PrefixTicket]:
+        """:meth:`prefill_prefix` for many ``(user_id, history)`` pairs in one varlen forward.
+
+        Equal to calling :meth:`prefill_prefix` on each item in order. Every item is validated before any cache
+        state changes.
+        """
+        preps = []
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(f"items[{i}] must be a (user_id, history) pair, got {type(item).__name__}")
+            preps.append(self._prepare(item[0], item[1]))
+        t = _clock(now)
+        c, ttl = self.state.counters, self.config.lease_ttl_s
+        with self._lock, torch.inference_mode():
+            self.state.spill_expired(t)
+            tickets: list[Optional[PrefixTicket]] = [None] * len(preps)
+            jobs: list[Job] = []
+            pending: set = set()  # entries created or extended in this batch (KV not written yet)
+            try:
+                for i, p in enumerate(preps):
+                    tickets[i], job = self.prefill.plan(p, t, pending)
+                    if job is not None:
+                        job.index = i
+                        jobs.append(job)
+                        pending.add(job.key)
+                self.runner.run(jobs)
+            except BaseException:
+                for job in jobs:
+                    self.state.drop(job.key, t)
+                    self.prefill.done(job.prep, t)
+                raise
+            for job in jobs:
+                self.prefill.done(job.prep, t)
+                p, fp = job.prep, job.key[1]
+                if job.start:  # extended an entry: lease it now (never refused while we hold a reference)
+                    self.pool.lease(p.user_id, fp, ttl, now=t)
+                self.pool.unpin(p.user_id, fp, now=t)
+                T = p.num_tokens
+                tickets[job.index] = PrefixTicket(True, "admitted", p.user_id, fp, T, t + ttl,
+                                                  cached_tokens=job.start, computed_tokens=T - job.start)
+                if self.dram is not None:
+                    self.state.leased[(p.user_id, fp)] = t + ttl
+                c.prefills += 1
+                c.prefill_computed_tokens += T - job.start
+                c.prefill_reused_tokens += job.start
+            return tickets
+
+    # ------------------------------------------------------------------------------------------ ranking
+    def rank_with_prefix(self, user_id: int, history: Behaviors, candidates: torch.Tensor,
+                         ticket: Optional[PrefixTicket] = None, request_time: Optional[int] = None,
+                         now: Optional[float] = None) -> RankResult:
+        """Score ``candidates`` for a user, reusing the longest cached prefix of ``history``.
+
+        Parameters
+        ----------
+        user_id : int
+        history : Behaviors
+            The user's full current history (the cached prefix, if any, plus newer behaviors).
+        candidates : LongTensor [C]
+            Candidate item ids (C >= 1).
+        ticket : PrefixTicket, optional
+            From :meth:`prefill_prefix` for this user; ends its lease.
+        request_time : int, optional
+            The candidates' timestamp (seconds); defaults to the last behavior's timestamp.
+        now : float, optional
+            Pool-clock time in seconds (default ``time.monotonic()``).
+
+        Returns
+        -------
+        RankResult
+            ``scores [C, num_tasks]`` equal to the model's no-cache forward of the request.
+
+        Raises
+        ------
+        ValueError
+            Bad input, before any cache state changes.
+        """
+        return self.rank_with_prefix_batch(
+            [RankRequest(user_id, history, candidates, ticket, request_time)], now=now)[0]
+
+    def rank_with_prefix_batch(self, requests: Sequence[RankRequest],
+                               now: Optional[float] = None) -> list[RankResult]:
+        """:meth:`rank_with_prefix` for many requests in one varlen forward (no padding).
+
+        Equal to calling :meth:`rank_with_prefix` on each request in order, except that requests reusing the
+        same entry extend it once (with the longest of their histories). Every request is validated before any
+        cache state changes.
+        """
+        preps = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, RankRequest):
+                raise ValueError(f"requests[{i}] must be a RankRequest, got {type(r).__name__}")
+            preps.append(self._prepare(r.user_id, r.history, r.candidates, r.request_time, r.ticket, rank=True))
+        t = _clock(now)
+        with self._lock, torch.inference_mode():
+            self.state.spill_expired(t)
+            pins: dict = {}
+            reloaded: set = set()  # reloaded from DRAM in this call, first reader not yet served
+            jobs: list[Job] = []
+            extended: list[Pin] = []
+            stored: list = []
+            done = False
+            try:
+                for p in preps:
+                    jobs.append(self._rank_job(p, pins, reloaded, t))
+                self._end_tickets(preps, t)  # before an extension re-keys a leased entry
+                if self.extend_on_rank:
+                    extended = [pin for pin in pins.values() if self._plan_extension(pin, jobs, t)]
+                if self.store_misses:
+                    stored = self._plan_stores(jobs, t)
+                outs = self.runner.run(jobs)
+                done = True
+            finally:
+                for pin in pins.values():
+                    if not done and pin in extended:
+                        pin.broken = True
+                    self.pool.unpin(*pin.key, now=t)
+                    if pin.broken:
+                        self.state.drop(pin.key, t, unpin=False)
+                for key in stored:
+                    if done:
+                        self.pool.unpin(*key, now=t)
+                    else:
+                        self.state.drop(key, t)
+            c = self.state.counters
+            c.extensions += len(extended)
+            c.stored_on_rank += len(stored)
+            results = []
+            for job, scores in zip(jobs, outs):
+                T, C = job.prep.num_tokens, job.candidates.numel()
+                source = "recompute" if job.key is None else "hbm"
+                if job.key in reloaded:
+                    source = "dram"
+                    reloaded.discard(job.key)
+                results.append(RankResult(scores, source, job.start, T - job.start + C))
+                c.count_ranking(source, job.start, T - job.start + C, C)
+            # now evictable unless another ticket's lease holds them: keep a DRAM copy
+            for key in [pin.key for pin in pins.values()] + stored:
+                self.state.spill_if_evictable(key, t)
+            return results
+
+    def _rank_job(self, p: Prepared, pins: dict, reloaded: set, t: float) -> Job:
+        """Pin the longest cached prefix of ``p`` (reloading it from DRAM when that holds more) and make its job."""
+        match = self.index.match(p, p.num_tokens)
+        if self.dram is not None:
+            dram = self.index.match(p, p.num_tokens, entries=self.dram.entries_of(p.user_id))
+            if dram is not None and (match is None or dram.usable > match.usable):
+                key = (p.user_id, dram.fp)
+                if key not in pins and self.pool.lookup(*key) is None:
+                    pages = self.state.reload(key, dram.num_tokens, t)
+                    if pages is not None:
+                        pins[key] = Pin(key, pages, dram.num_tokens)
+                        reloaded.add(key)
+                if key in pins:
+                    match = dram
+        if match is None:
+            return Job(p, 0, None, p.candidates)
+        key = (p.user_id, match.fp)
+        if key not in pins:
+            pages = self.pool.pin(*key, now=t)
+            assert pages is not None, key  # matched under the engine lock: it is cached
+            pins[key] = Pin(key, pages, match.num_tokens)
+        return Job(p, match.usable, pins[key].pages, p.candidates, key=key)
+
+    def _end_tickets(self, preps: list[Prepared], t: float) -> None:
+        """End the lease of every admitted ticket presented (once per entry)."""
+        c, ended = self.state.counters, set()
+        for p in preps:
+            tk = p.ticket
+            if tk is None or not tk.admitted or (tk.user_id, tk.fingerprint) in ended:
+                continue
+            ended.add((tk.user_id, tk.fingerprint))
+            self.state.leased.pop((tk.user_id, tk.fingerprint), None)
+            try:
+                live = self.pool.release_lease(tk.user_id, tk.fingerprint, now=t)
+            except (KeyError, ValueError):  # entry gone or re-keyed, or its lease already ended
+                c.stale_tickets += 1
+                continue
+            if not live:
+                c.late_tickets += 1
+
+    def _plan_extension(self, pin: Pin, jobs: list[Job], t: float) -> bool:
+        """Grow ``pin``'s entry by the new history of the longest request that read all of it; the layers write it.
+
+        An entry used in part, or leased for a pending ticket, is never grown.
+        """
+        uses = [j for j in jobs if j.key == pin.key and j.start == pin.num_tokens < j.prep.num_tokens]
+        if not uses or self.pool.has_lease(*pin.key, now=t):
+            return False
+        job = max(uses, key=lambda j: j.prep.num_tokens)
+        p, T = job.prep, job.prep.num_tokens
+        fp = self.index.fingerprint(p, T)
+        if self.pool.lookup(p.user_id, fp) is not None:
+            return False
+        pages = self.pool.extend(p.user_id, pin.key[1], fp, T, now=t)
+        if pages is None:
+            return False
+        pin.key, pin.pages, pin.num_tokens = (p.user_id, fp), pages, T
+        self.index.record(pin.key, p, T)
+        job.write_pages = pages
+        return True
+
+    def _plan_stores(self, jobs: list[Job], t: float) -> list:
+        """New pinned entries for the longest history of each user that found nothing cached; their keys."""
+        misses: dict = {}
+        for j in jobs:
+            if j.key is None and j.prep.num_tokens > misses.get(j.prep.user_id, (0, None))[0]:
+                misses[j.prep.user_id] = (j.prep.num_tokens, j)
+        stored = []
+        for T, j in misses.values():
+            u, fp = j.prep.user_id, self.index.fingerprint(j.prep, T)
+            if self.pool.lookup(u, fp) is not None:
+                continue
+            pages = self.pool.insert(u, fp, T, now=t)
+            if pages is None:
+                continue
+            j.write_pages = pages
+            self.index.record((u, fp), j.prep, T)
+            stored.append((u, fp))
+        return stored
+
+    # ------------------------------------------------------------------------------------------ queries
+    def match_length(self, user_id: int, history: Behaviors) -> int:
+        """History tokens a ranking request with ``history`` would read from the cache now (0 on a miss).
+
+        Changes nothing (no pin, no LRU touch, no counter).
+        """
+        p = self._prepare(user_id, history)
+        with self._lock:
+            m = self.index.match(p, p.num_tokens)
+            return 0 if m is None else m.usable
+
+    def stats(self) -> dict[str, int]:
+        """Counters as a flat dict: the engine's, ``evictions``, and every pool stat prefixed ``pool_``.
+
+        ``hbm_hits``/``dram_hits``/``recomputes``: ranking requests that reused a prefix from device memory /
+        reloaded it from the DRAM tier / computed from scratch; ``reloads``/``spills`` (and ``*_bytes``): copies
+        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper);
+        ``trigger_*``: the trigger's decisions when one is set; ``cached_tokens``/``computed_tokens``: history
+        tokens read / rows computed while ranking; ``extensions``: entries extended while ranking;
+        ``stored_on_rank``: missed histories kept; ``expired_leases``: pre-infer leases that ran out before their
+        ranking came; ``late_tickets``: tickets presented after that; ``stale_tickets``: tickets whose entry was
+        gone, re-keyed or whose lease was already ended; ``prefills``: admitted pre-inferences that computed KV;
+        ``prefill_declines`` (and by cause): not admitted.
+        """
+        with self._lock:
+            s = self.state.counters.as_dict()
+            pool = self.pool.stats()
+            s["evictions"] = int(pool["evictions"])
+            s.update({f"pool_{k}": int(v) for k, v in pool.items()})
+            s["expired_leases"] = int(pool["expirations"])
+            if self.dram is not None:
+                s.update(self.dram.stats())
+            if self.trigger is not None and callable(getattr(self.trigger, "stats", None)):
+                s.update({k: v for k, v in self.trigger.stats(now=None).items() if isinstance(v, int)})
+            s.setdefault("trigger_admits", 0)
+            s.setdefault("trigger_declines", 0)
+            return s
+
+    # ------------------------------------------------------------------------------------------ validation
+    def _prepare(self, user_id, history, candidates=None, request_time=None, ticket=None,
+                 rank: bool = False) -> Prepared:
+        u = _user_id(user_id)
+        if rank and candidates is None:
+            raise ValueError("candidates must be a 1-D int64 tensor of item ids, got None")
+        check = getattr(self.model, "check_inputs", None)
+        if callable(check):
+            t_req = check(history, candidates, request_time)
+        else:
+            t_req = check_request(history, candidates, request_time, self.cache.device)
+        if ticket is not None:
+            if not isinstance(ticket, PrefixTicket):
+                raise ValueError(f"ticket must be a PrefixTicket or None, got {type(ticket).__name__}")
+            if ticket.user_id != u:
+                raise ValueError(f"ticket is for user_id={ticket.user_id}, but the request is for user_id={u}")
+        return Prepared(u, history, candidates, t_req, history.token_keys(), ticket)

@@ -1,0 +1,98 @@
+"""Batch and forward-context building: the jobs of one engine call through the user's model in one relay forward."""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..batch import RelayBatch
+from ..context import PagedState, paged_context
+from ..ops import _resolve_backend, plan_paged_attention
+from .records import Job
+from .tiers import CacheState
+
+__all__ = ["ForwardRunner"]
+
+
+class ForwardRunner:
+    """Runs jobs (rows over cached prefixes) through ``model`` with the engine's pages in the forward context.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Called as ``model(batch) -> [number of candidate rows, num_tasks]``.
+    layers : sequence of PrefixAttention
+        The model's attention layers; layer ``i`` reads and writes ``state.cache.kv[i]``.
+    state : CacheState
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState) -> None:
+        self.model, self.layers, self.state = model, list(layers), state
+
+    def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
+        """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
+        its ``write_pages`` by the layers.
+
+        Jobs go in one varlen forward per kind of history (with or without timestamps, action ids).
+        """
+        out: list = [None] * len(jobs)
+        if not jobs:
+            return out
+        t0 = time.perf_counter()
+        groups: dict[tuple, list[int]] = {}
+        for i, j in enumerate(jobs):
+            h = j.prep.history
+            groups.setdefault((h.timestamps is not None, h.action_ids is not None), []).append(i)
+        for group in groups.values():
+            for i, scores in zip(group, self._run_group([jobs[i] for i in group])):
+                out[i] = scores
+        self.state.sync()
+        self.state.expander.observe_recompute(sum(j.num_rows for j in jobs), time.perf_counter() - t0)
+        return out
+
+    def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
+        st = self.state
+        cache, ps, dev = st.cache, st.page_size, st.cache.device
+        batch = RelayBatch.from_requests([(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs])
+        indptr, last, indices = [0], [], []
+        w_rows, w_pages, w_slots = [], [], []
+        r0 = 0
+        for j, rows in zip(jobs, batch.rows):
+            n_pages = -(-j.start // ps)
+            indices.append(j.pages[:n_pages] if n_pages else np.zeros(0, dtype=np.int32))
+            indptr.append(indptr[-1] + n_pages)
+            last.append(j.start - (n_pages - 1) * ps if n_pages else 0)
+            n = j.prep.num_tokens - j.start
+            if j.write_pages is not None and n:
+                tok = np.arange(j.start, j.prep.num_tokens)
+                w_rows.append(np.arange(r0, r0 + n))
+                w_pages.append(np.asarray(j.write_pages)[tok // ps])
+                w_slots.append(tok % ps)
+            r0 += rows
+        i32 = (lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32)).to(dev))
+        i64 = (lambda a: torch.as_tensor(np.concatenate(a).astype(np.int64)).to(dev))
+        kv_indptr, kv_indices, kv_last = i32(indptr), i32(np.concatenate(indices)), i32(last)
+        backend = _resolve_backend(st.config.attention_backend, dev)
+        timed = batch.timestamps is not None
+        paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
+                           plan=plan_paged_attention(cache.kv[0], kv_indptr, kv_indices, kv_last, batch.cu_seqlens,
+                                                     batch.num_candidates, backend=backend))
+        if w_rows:
+            paged.write_rows, paged.write_pages, paged.write_slots = i64(w_rows), i64(w_pages), i64(w_slots)
+        with paged_context(batch, paged, self.layers):
+            scores = self.model(batch)
+        C = batch.num_candidate_rows
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[0] != C:
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ValueError(f"model(batch) must return the candidate rows' scores [{C}, num_tasks] "
+                             f"(batch.num_candidate_rows = {C}), got {got}")
+        if w_rows and timed:
+            cache.timestamps[paged.write_pages, paged.write_slots] = batch.timestamps[paged.write_rows]
+        results, c0 = [], 0
+        for C_b in batch.candidates_per_user:
+            results.append(scores[c0:c0 + C_b] if C_b else None)
+            c0 += C_b
+        return results

@@ -1,0 +1,142 @@
+"""The engine's cache state (device pages, DRAM tier, counters) and its page-level steps: drop, copy, spill,
+reload."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cache import PagedKVCache
+from ..config import CacheConfig
+from ..tiers import DramEntry, HostKVTier, ReloadCostModel
+from .records import EngineCounters, Key
+
+__all__ = ["CacheState"]
+
+
+@dataclass(eq=False)
+class CacheState:
+    """What the engine's steps share: the paged cache and its pool, the DRAM tier, the counters.
+
+    Attributes
+    ----------
+    leased : dict
+        Admitted entries -> lease end, so that an entry whose lease ends unused is spilled to DRAM in time.
+    """
+
+    config: CacheConfig
+    cache: PagedKVCache
+    dram: Optional[HostKVTier]
+    expander: ReloadCostModel = field(default_factory=ReloadCostModel)
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    leased: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int) -> "CacheState":
+        cache = PagedKVCache(config, num_layers, num_heads, head_dim)
+        dram = (HostKVTier(config.dram_bytes, pin_memory=cache.device.type == "cuda")
+                if config.dram_bytes > 0 else None)
+        return cls(config, cache, dram)
+
+    @property
+    def pool(self):
+        return self.cache.pool
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA), so host-side timings and buffers are complete."""
+        if self.cache.device.type == "cuda":
+            torch.cuda.current_stream(self.cache.device).synchronize()
+
+    # ------------------------------------------------------------------------------------------ device pages
+    def drop(self, key: Key, t: float, unpin: bool = True) -> None:
+        """Remove an entry whose KV is incomplete (error path): end its lease, drop our reference, free it."""
+        pool = self.pool
+        if pool.lookup(*key) is None:
+            return
+        if unpin:
+            pool.unpin(*key, now=t)
+        if pool.has_lease(*key, now=t):
+            pool.release_lease(*key, now=t)
+        try:
+            pool.free(*key, now=t)
+        except ValueError:  # still pinned by another reader: its tokens beyond the valid part are never read
+            pass
+
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the K/V of every layer and the timestamps of pages ``src`` into the first ``len(src)`` of ``dst``."""
+        dev = self.cache.device
+        s = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(dev)
+        d = torch.from_numpy(np.ascontiguousarray(dst[:len(src)], dtype=np.int64)).to(dev)
+        for buf in self.cache.kv:
+            buf.index_copy_(0, d, buf.index_select(0, s))
+        self.cache.timestamps.index_copy_(0, d, self.cache.timestamps.index_select(0, s))
+
+    # ------------------------------------------------------------------------------------------ DRAM tier
+    def spill(self, key: Key) -> None:
+        """Copy an entry to the DRAM tier as one contiguous buffer, unless DRAM already holds this key."""
+        num_tokens = self.pool.lookup(*key)
+        if num_tokens is None or key in self.dram:
+            return
+        pages = self.pool.pages_of(*key)
+        c = self.cache
+        buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
+        if c.device.type == "cpu" and buf.device.type == "cpu" and buf.is_contiguous():
+            # one gather per layer and K/V straight into the buffer (the generic pack makes several copies)
+            ids = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+            view = buf.view(c.num_layers, 2, len(pages), self.page_size, c.num_heads, c.head_dim)
+            for layer, kv in enumerate(c.kv):
+                for i in (0, 1):
+                    torch.index_select(kv[:, i], 0, ids, out=view[layer, i])
+        else:
+            c.pack(pages, out=buf)
+        entry = DramEntry(key[0], key[1], num_tokens, buf, c.gather_timestamps(pages, num_tokens).cpu())
+        self.sync()  # the buffer is complete before reuse
+        for fp, _ in self.dram.entries_of(key[0]):  # superseded by the longer prefix of the same user
+            self.dram.discard(key[0], fp)
+        if self.dram.put(entry):
+            self.counters.spills += 1
+            self.counters.spill_bytes += entry.nbytes
+
+    def spill_if_evictable(self, key: Key, t: float) -> None:
+        """Keep a DRAM copy of an entry that is cached and no lease holds (it may be evicted from now on)."""
+        if self.dram is not None and self.pool.lookup(*key) is not None and not self.pool.has_lease(*key, now=t):
+            self.spill(key)
+
+    def spill_expired(self, t: float) -> None:
+        """Spill entries whose pre-infer lease has ended unused (before any insert could evict them)."""
+        for key, end in list(self.leased.items()):
+            if end <= t:
+                del self.leased[key]
+                self.spill_if_evictable(key, t)
+
+    def reload(self, key: Key, num_tokens: int, t: float) -> Optional[np.ndarray]:
+        """Copy a DRAM entry back into pool pages (returned pinned by one reference), or None to recompute."""
+        entry = self.dram.get(*key)
+        if entry is None:
+            return None
+        if not self.expander.prefers_reload(num_tokens, entry.nbytes):
+            self.counters.reloads_declined_cost += 1
+            return None
+        pages = self.pool.insert(key[0], key[1], num_tokens, now=t)
+        if pages is None:
+            self.counters.reloads_refused += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            self.cache.unpack(entry.kv, pages)
+            self.cache.write_timestamps(pages, entry.timestamps)
+            self.sync()
+        except BaseException:
+            self.drop(key, t)
+            raise
+        self.expander.observe_reload(entry.nbytes, time.perf_counter() - t0)
+        self.counters.reloads += 1
+        self.counters.reload_bytes += entry.nbytes
+        return pages
