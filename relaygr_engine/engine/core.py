@@ -19,6 +19,7 @@ from ..policy._checks import user_id as _user_id
 from .forward import ForwardRunner
 from .index import PrefixIndex
 from .prefill import PrefillPlanner
+from .rank import RankPlanner
 from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
 from .tiers import CacheState
 
@@ -117,6 +118,7 @@ class RelayEngine:
         self.pool, self.page_size = self.cache.pool, self.cache.page_size
         self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
         self.prefill = PrefillPlanner(self.state, self.index, trigger)
+        self.ranking = RankPlanner(self.state, self.index)
         self.runner = ForwardRunner(model, layers, self.state)
         self._lock = threading.RLock()
 
@@ -264,12 +266,12 @@ class RelayEngine:
             done = False
             try:
                 for p in preps:
-                    jobs.append(self._rank_job(p, pins, reloaded, t))
-                self._end_tickets(preps, t)  # before an extension re-keys a leased entry
+                    jobs.append(self.ranking.job(p, pins, reloaded, t))
+                self.ranking.end_tickets(preps, t)  # before an extension re-keys a leased entry
                 if self.extend_on_rank:
-                    extended = [pin for pin in pins.values() if self._plan_extension(pin, jobs, t)]
+                    extended = [pin for pin in pins.values() if self.ranking.plan_extension(pin, jobs, t)]
                 if self.store_misses:
-                    stored = self._plan_stores(jobs, t)
+                    stored = self.ranking.plan_stores(jobs, t)
                 outs = self.runner.run(jobs)
                 done = True
             finally:
@@ -300,86 +302,6 @@ class RelayEngine:
             for key in [pin.key for pin in pins.values()] + stored:
                 self.state.spill_if_evictable(key, t)
             return results
-
-    def _rank_job(self, p: Prepared, pins: dict, reloaded: set, t: float) -> Job:
-        """Pin the longest cached prefix of ``p`` (reloading it from DRAM when that holds more) and make its job."""
-        match = self.index.match(p, p.num_tokens)
-        if self.dram is not None:
-            dram = self.index.match(p, p.num_tokens, entries=self.dram.entries_of(p.user_id))
-            if dram is not None and (match is None or dram.usable > match.usable):
-                key = (p.user_id, dram.fp)
-                if key not in pins and self.pool.lookup(*key) is None:
-                    pages = self.state.reload(key, dram.num_tokens, t)
-                    if pages is not None:
-                        pins[key] = Pin(key, pages, dram.num_tokens)
-                        reloaded.add(key)
-                if key in pins:
-                    match = dram
-        if match is None:
-            return Job(p, 0, None, p.candidates)
-        key = (p.user_id, match.fp)
-        if key not in pins:
-            pages = self.pool.pin(*key, now=t)
-            assert pages is not None, key  # matched under the engine lock: it is cached
-            pins[key] = Pin(key, pages, match.num_tokens)
-        return Job(p, match.usable, pins[key].pages, p.candidates, key=key)
-
-    def _end_tickets(self, preps: list[Prepared], t: float) -> None:
-        """End the lease of every admitted ticket presented (once per entry)."""
-        c, ended = self.state.counters, set()
-        for p in preps:
-            tk = p.ticket
-            if tk is None or not tk.admitted or (tk.user_id, tk.fingerprint) in ended:
-                continue
-            ended.add((tk.user_id, tk.fingerprint))
-            self.state.leased.pop((tk.user_id, tk.fingerprint), None)
-            try:
-                live = self.pool.release_lease(tk.user_id, tk.fingerprint, now=t)
-            except (KeyError, ValueError):  # entry gone or re-keyed, or its lease already ended
-                c.stale_tickets += 1
-                continue
-            if not live:
-                c.late_tickets += 1
-
-    def _plan_extension(self, pin: Pin, jobs: list[Job], t: float) -> bool:
-        """Grow ``pin``'s entry by the new history of the longest request that read all of it; the layers write it.
-
-        An entry used in part, or leased for a pending ticket, is never grown.
-        """
-        uses = [j for j in jobs if j.key == pin.key and j.start == pin.num_tokens < j.prep.num_tokens]
-        if not uses or self.pool.has_lease(*pin.key, now=t):
-            return False
-        job = max(uses, key=lambda j: j.prep.num_tokens)
-        p, T = job.prep, job.prep.num_tokens
-        fp = self.index.fingerprint(p, T)
-        if self.pool.lookup(p.user_id, fp) is not None:
-            return False
-        pages = self.pool.extend(p.user_id, pin.key[1], fp, T, now=t)
-        if pages is None:
-            return False
-        pin.key, pin.pages, pin.num_tokens = (p.user_id, fp), pages, T
-        self.index.record(pin.key, p, T)
-        job.write_pages = pages
-        return True
-
-    def _plan_stores(self, jobs: list[Job], t: float) -> list:
-        """New pinned entries for the longest history of each user that found nothing cached; their keys."""
-        misses: dict = {}
-        for j in jobs:
-            if j.key is None and j.prep.num_tokens > misses.get(j.prep.user_id, (0, None))[0]:
-                misses[j.prep.user_id] = (j.prep.num_tokens, j)
-        stored = []
-        for T, j in misses.values():
-            u, fp = j.prep.user_id, self.index.fingerprint(j.prep, T)
-            if self.pool.lookup(u, fp) is not None:
-                continue
-            pages = self.pool.insert(u, fp, T, now=t)
-            if pages is None:
-                continue
-            j.write_pages = pages
-            self.index.record((u, fp), j.prep, T)
-            stored.append((u, fp))
-        return stored
 
     # ------------------------------------------------------------------------------------------ queries
     def match_length(self, user_id: int, history: Behaviors) -> int:
