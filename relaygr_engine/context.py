@@ -43,6 +43,9 @@ class PagedState:
     backend : AttentionBackend
     plan : PrefixAttentionPlan or None
         The Triton schedule of the batch (None on the torch backend).
+    torch_plan : TorchPlan or None
+        The torch backend's per-batch index tables (:mod:`relaygr_engine.torch_plan`); None where the batch is too
+        large for padded attention or the backend is Triton.
     """
 
     kv_caches: Sequence[torch.Tensor]
@@ -55,8 +58,14 @@ class PagedState:
     write_pages: Optional[torch.Tensor] = None
     write_slots: Optional[torch.Tensor] = None
     plan: object = None
+    torch_plan: object = None
     validated: bool = False  # the first layer checked the op's arguments (later layers share them)
     _slot_mapping: Optional[torch.Tensor] = None
+
+    @property
+    def write_kv_rows(self) -> Optional[torch.Tensor]:
+        """Row of each written token's K in a layer's cache viewed as ``[num_pages * 2 * page_size, H, D]``."""
+        return None if self.write_pages is None else self.write_pages * (2 * self.kv_caches[0].shape[2]) + self.write_slots
 
     def slot_mapping(self, num_rows: int, page_size: int) -> torch.Tensor:
         """``page * page_size + slot`` of every batch row, -1 where a row is not stored (the Triton ``kv_write``)."""

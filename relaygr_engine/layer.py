@@ -24,6 +24,7 @@ from torch import nn
 from .config import AttentionBackend, parse_choice
 from .context import ForwardContext, current_context
 from .ops import AttentionMode, _check_args, _dispatch, time_buckets
+from .torch_plan import planned_attention
 
 __all__ = ["PrefixAttention"]
 
@@ -142,10 +143,14 @@ class PrefixAttention(nn.Module):
         ts_cache = st.ts_cache if ts_bias is not None else None
         args = (q, k, v, cache, st.kv_indptr, st.kv_indices, st.kv_last_page_len, batch.cu_seqlens,
                 batch.num_candidates, self.mode, self.scale, self.hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
-        if not st.validated:  # the first layer checks; the plan (when set) read and checked the tables already
-            _check_args(*args, read_tables=st.plan is None)
+        if not st.validated:  # the first layer checks; a plan (when set) was built from checked tables already
+            _check_args(*args, read_tables=st.plan is None and st.torch_plan is None)
             st.validated = True
-        o = _dispatch(*args, st.backend, plan=st.plan)
+        if st.torch_plan is not None and q.dtype in (torch.float32, torch.float64):
+            o = planned_attention(st.torch_plan, q, k, v, cache, self.mode, self.scale, self.hstu_norm,
+                                  pos_bias, ts_bias)
+        else:
+            o = _dispatch(*args, st.backend, plan=st.plan)
         if Dc != self.value_dim:
             o = o[..., :self.value_dim]
         return o if o.dtype == out_dtype else o.to(out_dtype)
@@ -157,9 +162,9 @@ class PrefixAttention(nn.Module):
             from .kernels.kv_write import kv_write
             kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, cache.shape[2]), check_slots=False)
             return
-        r = st.write_rows
-        cache[st.write_pages, 0, st.write_slots] = k[r]
-        cache[st.write_pages, 1, st.write_slots] = v[r]
+        flat, dst = cache.view(-1, *cache.shape[3:]), st.write_kv_rows
+        flat.index_copy_(0, dst, k.index_select(0, st.write_rows))
+        flat.index_copy_(0, dst + cache.shape[2], v.index_select(0, st.write_rows))
 
     # ------------------------------------------------------------------------------------------ dense forward
     def _dense(self, ctx: ForwardContext, q, k, v, pos_bias, ts_bias) -> torch.Tensor:

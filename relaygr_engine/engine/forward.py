@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from ..batch import RelayBatch
+from ..config import AttentionBackend
 from ..context import PagedState, paged_context
+from ..torch_plan import build_torch_plan
 from ..ops import _resolve_backend, plan_paged_attention
 from .records import Job
 from .tiers import CacheState
@@ -80,6 +82,11 @@ class ForwardRunner:
         paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
                            plan=plan_paged_attention(cache.kv[0], kv_indptr, kv_indices, kv_last, batch.cu_seqlens,
                                                      batch.num_candidates, backend=backend))
+        if backend is AttentionBackend.TORCH:
+            paged.torch_plan = build_torch_plan(
+                batch.rows, batch.candidates_per_user, [j.start for j in jobs],
+                [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
+                ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None)
         if w_rows:
             paged.write_rows, paged.write_pages, paged.write_slots = i64(w_rows), i64(w_pages), i64(w_slots)
         with paged_context(batch, paged, self.layers):
