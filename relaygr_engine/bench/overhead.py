@@ -1,0 +1,169 @@
+"""``relaygr bench overhead``: the fixed cost of a ranking, in aten ops (deterministic) and in time.
+
+Op counts are taken with a ``TorchDispatchMode`` that counts every aten op the call dispatches (views included:
+on a GPU every non-view op is a kernel launch, and every op is host work). One ranking is counted on two models
+that differ only in depth (``2`` and ``8`` layers), so ``ops_per_layer = (ops_8 - ops_2) / 6`` and
+``ops_per_request = ops_2 - 2 * ops_per_layer``; the same for the no-cache path (``GRRanker.rank_uncached``).
+
+Times are the median of ``--repeats`` calls after a warm-up, one torch thread by default, for history lengths
+``L`` in {16, 256}, candidates ``C`` in {1, 64}: single requests and batches of 8 and 32 (per request), a cache
+hit (all but the last 4 tokens cached) and no cache (``rank_uncached``).
+
+Model: HSTU, hidden 64, 2 heads x 32, fp32, CPU (``--device`` for another), torch backend.
+
+    relaygr bench overhead [--quick] [--json PATH] [--repeats N] [--threads N] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import CacheConfig
+from ..engine import RankRequest, RelayEngine
+from ..models import Behaviors, GRModelConfig, build_ranker
+from .common import emit_result, environment, percentile
+
+__all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
+
+NEW_TOKENS = 4
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it (``counts``: op name -> calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_ops(fn: Callable[[], object]) -> Counter:
+    """The aten ops one call of ``fn`` dispatches."""
+    with OpCounter() as c:
+        fn()
+    return c.counts
+
+
+def _model(layers: int, device: str, max_len: int = 512):
+    cfg = GRModelConfig(attention="hstu", num_layers=layers, hidden_dim=64, num_heads=2, head_dim=32,
+                        num_items=10_000, num_actions=4, max_seq_len=max_len, num_tasks=2)
+    return build_ranker(cfg, seed=0, device=device)
+
+
+def _history(L: int, seed: int, device: str) -> Behaviors:
+    g = torch.Generator().manual_seed(seed)
+    return Behaviors(item_ids=torch.randint(0, 10_000, (L,), generator=g).to(device),
+                     action_ids=torch.randint(0, 4, (L,), generator=g).to(device),
+                     timestamps=(torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000).to(device))
+
+
+def _engine(model, device: str, pages: int = 4096) -> RelayEngine:
+    return RelayEngine(model, CacheConfig(device=device, page_size=16, num_pages=pages, max_pinned_fraction=1.0,
+                                          lease_ttl_s=1e9, attention_backend="torch"), extend_on_rank=False)
+
+
+def _cached(engine: RelayEngine, users, hist: Behaviors) -> None:
+    engine.prefill_prefix_batch([(u, hist.prefix(len(hist) - NEW_TOKENS)) for u in users])
+
+
+def hit_path_ops(layers: int, L: int = 16, C: int = 1, device: str = "cpu") -> dict[str, Counter]:
+    """aten ops of one cache-hit ranking and of one no-cache ranking (``rank_uncached``) on a ``layers``-deep model."""
+    model = _model(layers, device)
+    engine = _engine(model, device)
+    hist, cands = _history(L, 0, device), torch.arange(C, device=device)
+    _cached(engine, [1], hist)
+    engine.rank_with_prefix(1, hist, cands)  # warm: first-call caches (fingerprints, lazy imports)
+    model.rank_uncached(hist, cands)
+    return {"hit": count_ops(lambda: engine.rank_with_prefix(1, hist, cands)),
+            "uncached": count_ops(lambda: model.rank_uncached(hist, cands))}
+
+
+def _per_layer(device: str) -> dict[str, float]:
+    two, eight = hit_path_ops(2, device=device), hit_path_ops(8, device=device)
+    out = {}
+    for path in ("hit", "uncached"):
+        a, b = sum(two[path].values()), sum(eight[path].values())
+        per_layer = (b - a) / 6
+        out[f"{path}_ops_per_layer"] = per_layer
+        out[f"{path}_ops_per_request"] = a - 2 * per_layer
+    return out
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Median microseconds of one call of ``fn``."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return float(percentile(samples, 50))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="relaygr bench overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: op counts, L=16 and C=1 only, 5 repeats")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    repeats = 5 if args.quick else args.repeats
+    lengths, cands = ((16,), (1,)) if args.quick else ((16, 256), (1, 64))
+    env = environment(str(device))
+
+    ops = _per_layer(str(device))
+    print(f"relaygr bench overhead: HSTU, hidden 64, 2 heads x 32, fp32, {env['device_name']}, {args.threads} "
+          f"thread(s), torch backend; hit = all but the last {NEW_TOKENS} history tokens cached")
+    print(f"aten ops: hit path {ops['hit_ops_per_layer']:.1f}/layer + {ops['hit_ops_per_request']:.1f}/request; "
+          f"no cache {ops['uncached_ops_per_layer']:.1f}/layer + {ops['uncached_ops_per_request']:.1f}/request")
+    print(f"{'L':>5} {'C':>4} {'batch':>6} {'hit us/req':>11} {'no-cache us/req':>16}")
+    model = _model(2, str(device))
+    engine = _engine(model, str(device))
+    rows, result = [], {}
+    for L in lengths:
+        hist = _history(L, L, str(device))
+        _cached(engine, range(32), hist)
+        for C in cands:
+            c = torch.arange(C, device=device)
+            for B in (1,) if args.quick else (1, 8, 32):
+                reqs = [RankRequest(u, hist, c) for u in range(B)]
+                hit = _time(lambda: engine.rank_with_prefix_batch(reqs), device, repeats) / B
+                full = _time(lambda: [model.rank_uncached(hist, c) for _ in range(B)], device, repeats) / B
+                rows.append(dict(L=L, C=C, batch=B, hit_us_per_request=hit, uncached_us_per_request=full))
+                print(f"{L:>5} {C:>4} {B:>6} {hit:>11.1f} {full:>16.1f}")
+    by = {(r["L"], r["C"], r["batch"]): r for r in rows}
+    result.update(ops_per_layer=round(ops["hit_ops_per_layer"], 1), ops_per_request=round(ops["hit_ops_per_request"], 1),
+                  uncached_ops_per_layer=round(ops["uncached_ops_per_layer"], 1),
+                  us_per_call=round(by[(16, 1, 1)]["hit_us_per_request"], 1))
+    if (16, 1, 32) in by:
+        result["us_per_request_b32"] = round(by[(16, 1, 32)]["hit_us_per_request"], 1)
+    result.update(device=str(device), threads=args.threads)
+    emit_result(result, args.json, extra=dict(environment=env, rows=rows, op_counts=ops))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
