@@ -67,8 +67,13 @@ def test_planned_attention_equals_the_reference(mode, users, sorted_times):
 def test_planned_attention_declines_batches_past_its_padding_budget(monkeypatch):
     import relaygr_engine.torch_plan as tp
     p = _problem(3, [(40, 40, 0)])
+    args = (p["rows"], p["cands"], p["prefix"], p["pages"], p["ps"], 2, p["q"].device)
+    assert tp.build_torch_plan(*args) is not None
     monkeypatch.setattr(tp, "MAX_PADDED_SCORES", 2 * 40 * 80 - 1)
-    assert tp.build_torch_plan(p["rows"], p["cands"], p["prefix"], p["pages"], p["ps"], 2, p["q"].device) is None
+    assert tp.build_torch_plan(*args) is None
+    monkeypatch.setattr(tp, "MAX_PADDED_SCORES", 1 << 23)
+    monkeypatch.setattr(tp, "MAX_ROWS_X_KEYS", 40 * 80 - 1)
+    assert tp.build_torch_plan(*args) is None
 
 
 def test_hit_path_op_budget():
