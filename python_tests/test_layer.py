@@ -80,7 +80,7 @@ def test_prefix_attention_arguments():
         rg.PrefixAttention("hstu", 2, 8, scale=float("nan"))
     with pytest.raises(ValueError, match="hstu_norm applies to mode='hstu' only"):
         rg.PrefixAttention("softmax", 2, 8, scale=1.0, hstu_norm=4.0)
-    with pytest.raises(ValueError, match="hstu_norm must be a finite number > 0"):
+    with pytest.raises(ValueError, match="hstu_norm must be > 0, got 0"):
         rg.PrefixAttention("hstu", 2, 8, scale=1.0, hstu_norm=0)
     with pytest.raises(ValueError, match="value_dim must be an integer >= 1"):
         rg.PrefixAttention("hstu", 2, 8, scale=1.0, value_dim=-1)

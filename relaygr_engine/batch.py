@@ -143,7 +143,7 @@ class RelayBatch:
             raise ValueError("parts must hold at least one (history, start, candidates, request_time) part, got 0")
         h0 = parts[0][0]
         dev, timed, acted = h0.device, h0.timestamps is not None, h0.action_ids is not None
-        items, actions, times, pos, cand, ctx = [], [], [], [], [], []
+        items, actions, times, pos, ctx = [], [], [], [], []
         starts, rows, ncand = [], [], []
         for i, (h, start, c, t_req) in enumerate(parts):
             if not isinstance(h, Behaviors):
@@ -180,7 +180,6 @@ class RelayBatch:
                 times.append(torch.cat(parts_t) if len(parts_t) > 1 else parts_t[0])
             p = torch.arange(start, T + C, device=dev)
             pos.append(p.clamp_(max=T) if C > 1 else p)
-            cand.append(C)
             ctx.append(n_ctx)
             starts.append(start)
             rows.append(n_hist + C)

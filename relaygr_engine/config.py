@@ -149,6 +149,8 @@ class CacheConfig:
         return max(1, int(num_pages * self.max_pinned_fraction))
 
 
-def _positive_int(name: str, value) -> None:
+def _positive_int(name: str, value) -> int:
+    """``value`` when it is an int >= 1 (bools refused); else ValueError naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value

@@ -40,6 +40,9 @@ class PagedState:
         Batch rows whose K/V each layer stores in the cache (new history rows of entries being written).
     write_pages, write_slots : LongTensor [W] or None
         Where row ``write_rows[i]`` goes: page ``write_pages[i]``, slot ``write_slots[i]``.
+    write_kv_rows : LongTensor [W] or None
+        The same place as a row of a layer's cache viewed as ``[num_pages * 2 * page_size, H, D]`` (K; V is
+        ``page_size`` rows further). Set with the other three by :meth:`set_writes`.
     backend : AttentionBackend
     plan : PrefixAttentionPlan or None
         The Triton schedule of the batch (None on the torch backend).
@@ -57,15 +60,16 @@ class PagedState:
     write_rows: Optional[torch.Tensor] = None
     write_pages: Optional[torch.Tensor] = None
     write_slots: Optional[torch.Tensor] = None
+    write_kv_rows: Optional[torch.Tensor] = None
     plan: object = None
     torch_plan: object = None
     validated: bool = False  # the first layer checked the op's arguments (later layers share them)
     _slot_mapping: Optional[torch.Tensor] = None
 
-    @property
-    def write_kv_rows(self) -> Optional[torch.Tensor]:
-        """Row of each written token's K in a layer's cache viewed as ``[num_pages * 2 * page_size, H, D]``."""
-        return None if self.write_pages is None else self.write_pages * (2 * self.kv_caches[0].shape[2]) + self.write_slots
+    def set_writes(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the K/V of batch rows ``rows`` at ``(pages, slots)`` in every layer (computed once per batch)."""
+        self.write_rows, self.write_pages, self.write_slots = rows, pages, slots
+        self.write_kv_rows = pages * (2 * self.kv_caches[0].shape[2]) + slots
 
     def slot_mapping(self, num_rows: int, page_size: int) -> torch.Tensor:
         """``page * page_size + slot`` of every batch row, -1 where a row is not stored (the Triton ``kv_write``)."""

@@ -14,32 +14,19 @@ and itself, never another candidate. Formulas: see :mod:`relaygr_engine.ops`.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AttentionBackend, parse_choice
+from .config import AttentionBackend, _positive_int, parse_choice
 from .context import ForwardContext, current_context
+from .kernels._common import check_scalar
 from .ops import AttentionMode, _check_args, _dispatch, time_buckets
 from .torch_plan import planned_attention
 
 __all__ = ["PrefixAttention"]
-
-
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _finite(name: str, value, positive: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (positive and value <= 0):
-        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value!r}")
-    return float(value)
 
 
 class PrefixAttention(nn.Module):
@@ -82,10 +69,10 @@ class PrefixAttention(nn.Module):
         self.num_heads = _positive_int("num_heads", num_heads)
         self.head_dim = _positive_int("head_dim", head_dim)
         self.value_dim = self.head_dim if value_dim is None else _positive_int("value_dim", value_dim)
-        self.scale = _finite("scale", scale)
+        self.scale = check_scalar("scale", scale)
         if self.mode is AttentionMode.SOFTMAX and hstu_norm is not None:
             raise ValueError(f"hstu_norm applies to mode='hstu' only, got hstu_norm={hstu_norm!r} with mode='softmax'")
-        self.hstu_norm = 1.0 if hstu_norm is None else _finite("hstu_norm", hstu_norm, positive=True)
+        self.hstu_norm = 1.0 if hstu_norm is None else check_scalar("hstu_norm", hstu_norm, positive=True)
 
     @property
     def cache_dim(self) -> int:

@@ -88,7 +88,7 @@ class ForwardRunner:
                 [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
                 ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None)
         if w_rows:
-            paged.write_rows, paged.write_pages, paged.write_slots = i64(w_rows), i64(w_pages), i64(w_slots)
+            paged.set_writes(i64(w_rows), i64(w_pages), i64(w_slots))
         with paged_context(batch, paged, self.layers):
             scores = self.model(batch)
         C = batch.num_candidate_rows
