@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import relaygr_engine as rg
-from relaygr_engine.policy.router import AffinityRouter, ForwardResult, rank_replicas
+from relaygr_engine.policy.affinity import AffinityRouter, ForwardResult, rank_replicas
 from relaygr_engine.serving import wire
 from relaygr_engine.serving.ray_serve import RelayReplica, ReplicaSpec
-from relaygr_engine.serving.routing import RouteKey, route_order
+from relaygr_engine.serving.route_key import RouteKey, route_order
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 needs_ray = pytest.mark.skipif(not HAS_RAY, reason="ray[serve] is not installed (pip install 'relaygr-engine[ray]')")

@@ -7,7 +7,7 @@ threads (it must not be called inside an asyncio event loop, e.g. from another d
 Pre-infer (P/D-Serve's on-demand forwarding upon rejection): the pre-infer goes out with route key ``u;prefill``;
 a replica that cannot take it replies ``rejected`` at once, and the client sends it again with that replica in the
 key's ``skip`` list, so the router offers it to the user's next replica, until one takes it, the router has no
-replica left, or ``deadline_s`` passes. The outcome is a :class:`~relaygr_engine.policy.router.ForwardResult`
+replica left, or ``deadline_s`` passes. The outcome is a :class:`~relaygr_engine.policy.affinity.ForwardResult`
 (where it landed, attempts, rejections, expired). A pre-infer that does not land costs the ranking only time.
 
 Ranking: with an admitted ticket, route key ``u;at=R`` pins the ranking to replica ``R`` (its cached prefix). When
@@ -28,9 +28,9 @@ from ray.exceptions import RayActorError
 
 from ..models import Behaviors
 from ..policy import _checks
-from ..policy.router import ForwardResult
+from ..policy.affinity import ForwardResult
 from . import wire
-from .routing import RouteKey, parse_user_id
+from .route_key import RouteKey, parse_user_id
 
 __all__ = ["RelayClient", "PrefillReply", "RankReply"]
 

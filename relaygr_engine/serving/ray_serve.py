@@ -20,8 +20,8 @@ or a ``state_dict`` file, a ``CacheConfig``, optionally a ``TriggerConfig``), an
 * ``record_routing_stats()``: what the request router reads (free, evictable and pinned pages, in-flight
   pre-infers and rankings, whether it can take a pre-infer now).
 
-Requests are placed by :class:`~relaygr_engine.serving.router.RelayRequestRouter` from the request's route key (the
-Serve session id; HTTP header ``x-session-id``; see :mod:`relaygr_engine.serving.routing`).
+Requests are placed by :class:`~relaygr_engine.serving.request_router.RelayRequestRouter` from the request's route key (the
+Serve session id; HTTP header ``x-session-id``; see :mod:`relaygr_engine.serving.route_key`).
 
 A pre-infer is rejected at once, without waiting for the engine, while the replica's pending pre-infers are at
 ``ReplicaSpec.max_pending_prefills`` (no local queue, as in P/D-Serve); otherwise the engine's trigger and pool
@@ -45,7 +45,7 @@ from ..policy import _checks
 from ..policy.latency import LatencyModel
 from ..policy.trigger import SequenceAwareTrigger, TriggerConfig
 from . import wire
-from .routing import parse_user_id
+from .route_key import parse_user_id
 
 __all__ = ["ReplicaSpec", "RelayReplica", "build_app", "run", "DEPLOYMENT_NAME"]
 
@@ -266,7 +266,7 @@ def build_app(spec: ReplicaSpec, *, num_replicas: int = 2, num_cpus: float = 1.0
     num_cpus, num_gpus : float
         Ray resources of each replica (``num_gpus=1`` for a CUDA cache device).
     load_factor : float
-        >= 1: the router's bounded-load factor (:func:`~relaygr_engine.policy.router.order_bounded`).
+        >= 1: the router's bounded-load factor (:func:`~relaygr_engine.policy.affinity.order_bounded`).
     stats_period_s : float
         How often Serve polls ``record_routing_stats`` (> 0).
     max_ongoing_requests : int
@@ -276,7 +276,7 @@ def build_app(spec: ReplicaSpec, *, num_replicas: int = 2, num_cpus: float = 1.0
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .router import RelayRequestRouter
+    from .request_router import RelayRequestRouter
 
     if not isinstance(spec, ReplicaSpec):
         raise ValueError(f"spec must be a ReplicaSpec, got {type(spec).__name__}")

@@ -42,7 +42,7 @@ import torch
 
 from ..engine import PrefixTicket, RankResult
 from ..models import Behaviors
-from .routing import RouteKey, parse_user_id
+from .route_key import RouteKey, parse_user_id
 
 __all__ = ["REJECT_REASONS", "behaviors_to_json", "behaviors_from_json", "ticket_to_json", "ticket_from_json",
            "candidates_from_json", "prefill_reply", "rank_reply"]

@@ -1,6 +1,6 @@
 """Route keys and the replica order of one request (pure Python: no Ray import).
 
-A request reaches a replica through Serve's request router (:mod:`relaygr_engine.serving.router`), which sees only
+A request reaches a replica through Serve's request router (:mod:`relaygr_engine.serving.request_router`), which sees only
 the request's *session id*: the handle's ``options(session_id=...)``, or for HTTP the ``x-session-id`` header
 (Serve's session header; ``RAY_SERVE_SESSION_ID_HEADER_KEY`` renames it). The session id is a *route key*::
 
@@ -14,8 +14,8 @@ Fields after the user id are separated by ``;`` and may come in any order. Repli
 key of its ranking (``route_key``).
 
 :func:`route_order` turns a key, the live replicas and their reported stats into the order in which the router
-offers the request; it ranks with :func:`relaygr_engine.policy.router.rank_replicas` and bounds load with
-:func:`relaygr_engine.policy.router.order_bounded`, the code the in-process :class:`AffinityRouter` uses, so both
+offers the request; it ranks with :func:`relaygr_engine.policy.affinity.rank_replicas` and bounds load with
+:func:`relaygr_engine.policy.affinity.order_bounded`, the code the in-process :class:`AffinityRouter` uses, so both
 place a user on the same replica.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..policy import _checks
-from ..policy.router import order_bounded, rank_replicas
+from ..policy.affinity import order_bounded, rank_replicas
 
 __all__ = ["RouteKey", "route_order", "accepts_prefill", "parse_user_id", "SESSION_HEADER"]
 
@@ -144,7 +144,7 @@ def route_order(key: RouteKey, replicas: Sequence[str], stats: Mapping[str, Mapp
         Replica id -> its last reported routing stats (see ``RelayReplica.record_routing_stats``); missing ids
         count as idle and able to take a pre-infer.
     load_factor : float
-        >= 1, the bounded-load factor of :func:`~relaygr_engine.policy.router.order_bounded`.
+        >= 1, the bounded-load factor of :func:`~relaygr_engine.policy.affinity.order_bounded`.
 
     Returns
     -------

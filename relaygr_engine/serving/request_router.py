@@ -1,8 +1,8 @@
 """The Serve request router: a user's pre-infer and ranking land on the same replica.
 
 :class:`RelayRequestRouter` reads the request's route key (its Serve session id, see
-:mod:`relaygr_engine.serving.routing`) and offers the request to replicas in :func:`route_order`: rendezvous order of
-the user (the same :func:`~relaygr_engine.policy.router.rank_replicas` as the in-process ``AffinityRouter``), with
+:mod:`relaygr_engine.serving.route_key`) and offers the request to replicas in :func:`route_order`: rendezvous order of
+the user (the same :func:`~relaygr_engine.policy.affinity.rank_replicas` as the in-process ``AffinityRouter``), with
 bounded load from the replicas' reported stats (``record_routing_stats``), pre-infers passing over replicas that
 report they cannot take one, and a ranking with a ticket pinned to the ticket's replica while it is alive.
 
@@ -13,7 +13,7 @@ there.
 
 Routers run in every process that holds a handle (the HTTP proxy, drivers); they are stateless apart from the
 replica set, so all of them place a user alike. The module is imported on those processes by name
-(``relaygr_engine.serving.router``): the package must be installed there.
+(``relaygr_engine.serving.request_router``): the package must be installed there.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..policy import _checks
-from .routing import RouteKey, route_order
+from .route_key import RouteKey, route_order
 
 __all__ = ["RelayRequestRouter"]
 
