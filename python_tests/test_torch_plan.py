@@ -58,7 +58,8 @@ def test_planned_attention_equals_the_reference(mode, users, sorted_times):
     tsb = torch.randn(10) if hstu else None
     plan = build_torch_plan(p["rows"], p["cands"], p["prefix"], p["pages"], p["ps"], p["H"], p["q"].device,
                             ts_rows=p["ts_rows"] if hstu else None, ts_cache=p["ts_cache"] if hstu else None)
-    got = planned_attention(plan, p["q"], p["k"], p["v"], p["cache"], m, 0.3, 17.0, pos, tsb)
+    flat = p["cache"].view(-1, *p["cache"].shape[3:])
+    got = planned_attention(plan, p["q"], p["k"], p["v"], flat, m, 0.3, 17.0, pos, tsb)
     want = paged_prefix_attention_torch(p["q"], p["k"], p["v"], p["cache"], *p["tables"], mode, 0.3, 17.0, pos,
                                         tsb, p["ts_cache"] if hstu else None, p["ts_rows"] if hstu else None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -76,15 +77,39 @@ def test_planned_attention_declines_batches_past_its_padding_budget(monkeypatch)
     assert tp.build_torch_plan(*args) is None
 
 
-def test_hit_path_op_budget():
-    """Deterministic aten-op counts of one cache-hit ranking (torch backend): a change that adds per-layer or
-    per-request ops fails here. Measured when pinned: 40 per layer, 90 per request (from 158 and 70 before the
-    planned attention)."""
+@pytest.mark.parametrize("path, per_layer_budget, per_request_budget", [("hit", 31, 79), ("uncached", 32, 79)])
+def test_op_budget(path, per_layer_budget, per_request_budget):
+    """Deterministic aten-op counts of one ranking (torch backend), cache hit and no cache (``rank_uncached``): a
+    change that adds per-layer or per-request ops fails here. Measured when pinned: hit 31 per layer and 79 per
+    request (158 and 70 before the planned attention, 40 and 90 with its first form); no cache 32 and 79 (138 and
+    62 on the blockwise reference)."""
     from relaygr_engine.bench.overhead import hit_path_ops
     two, four = hit_path_ops(2), hit_path_ops(4)
-    a, b = sum(two["hit"].values()), sum(four["hit"].values())
+    a, b = sum(two[path].values()), sum(four[path].values())
     per_layer = (b - a) / 2
     per_request = a - 2 * per_layer
-    assert per_layer <= 40, (per_layer, four["hit"] - two["hit"])
-    assert per_request <= 90, (per_request, two["hit"])
-    assert "_local_scalar_dense" not in (four["hit"] - two["hit"])  # no host read inside the layers
+    assert per_layer <= per_layer_budget, (per_layer, four[path] - two[path])
+    assert per_request <= per_request_budget, (per_request, two[path])
+    assert "_local_scalar_dense" not in (four[path] - two[path])  # no host read inside the layers
+
+
+@pytest.mark.parametrize("mode", ["hstu", "softmax"])
+def test_compiled_attention_gives_the_eager_scores(mode):
+    """``RelayEngine(compile_attention=True)``: the compiled attention core ranks a batch of cache hits with the
+    eager engine's scores (one compile of the batched core per mode: ~1 minute on a CPU)."""
+    from relaygr_engine.bench.overhead import _cached, _engine, _history
+    from relaygr_engine.engine import RankRequest
+    from relaygr_engine.models import GRModelConfig, build_ranker
+    cfg = GRModelConfig(attention=mode, num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, num_items=10_000,
+                        num_actions=4, max_seq_len=64, num_tasks=2)
+    model = build_ranker(cfg, seed=3)
+    eager, compiled = _engine(model, "cpu"), _engine(model, "cpu", compile_attention=True)
+    reqs = [RankRequest(u, _history(L, u, "cpu"), torch.arange(C)) for u, L, C in ((1, 12, 3), (2, 20, 1))]
+    for e in (eager, compiled):
+        for r in reqs:
+            _cached(e, [r.user_id], r.history)
+    want = [r.scores for r in eager.rank_with_prefix_batch(reqs)]
+    got = compiled.rank_with_prefix_batch(reqs)
+    assert [r.source for r in got] == ["hbm", "hbm"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.scores, w, atol=1e-5, rtol=1e-5)

@@ -47,8 +47,8 @@ def test_predict_matches_formula():
 def test_max_history_len_is_the_boundary(a, b, c, d, budget, C):
     m = LatencyModel(a, b, c, d)
     L = m.max_history_len(budget, C)
-    if L is None:
-        assert b == 0 and c == 0 and d * C == 0 and m.predict_ms(0, C) <= budget
+    if L is None:  # every length fits: the prediction does not grow, or too slowly for any boundary to exist
+        assert m.predict_ms(1 << 62, C) <= budget
     elif L == -1:
         assert m.predict_ms(0, C) > budget
     else:

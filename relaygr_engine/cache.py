@@ -50,6 +50,9 @@ class PagedKVCache:
         self.pool = PrefixBlockPool(self.num_pages, self.page_size, config.max_pinned_pages(self.num_pages))
         shape = (self.num_pages, 2, self.page_size, num_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        # The same storage as rows ``page * 2 * page_size + {0: K, page_size: V} + slot``: views made once, so a
+        # layer's gathers and writes add no view op per call.
+        self.kv_flat = [t.view(-1, num_heads, head_dim) for t in self.kv]
         self.timestamps = torch.zeros((self.num_pages, self.page_size), dtype=torch.long, device=self.device)
         self.device = self.timestamps.device  # "cuda" -> "cuda:<current>", so device checks compare equal
 

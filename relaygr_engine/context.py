@@ -32,6 +32,9 @@ class PagedState:
     ----------
     kv_caches : list of Tensor [num_pages, 2, page_size, H, D]
         One per registered layer (index = registration order in ``model.modules()``).
+    kv_flat : list of Tensor [num_pages * 2 * page_size, H, D] or None
+        The same caches viewed flat (row ``page * 2 * page_size + slot`` is K, ``page_size`` rows further V); None:
+        the layers view them.
     kv_indptr, kv_indices, kv_last_page_len : IntTensor
         Each user's cached prefix pages (FlashInfer's layout; see :func:`relaygr_engine.ops.paged_prefix_attention`).
     ts_cache : LongTensor [num_pages, page_size] or None
@@ -63,8 +66,17 @@ class PagedState:
     write_kv_rows: Optional[torch.Tensor] = None
     plan: object = None
     torch_plan: object = None
+    kv_flat: Optional[Sequence[torch.Tensor]] = None
+    compiled: bool = False  # torch plan path: the compiled attention core (RelayEngine(compile_attention=True))
     validated: bool = False  # the first layer checked the op's arguments (later layers share them)
     _slot_mapping: Optional[torch.Tensor] = None
+
+    def flat(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s cache viewed ``[num_pages * 2 * page_size, H, D]``."""
+        if self.kv_flat is not None:
+            return self.kv_flat[index]
+        cache = self.kv_caches[index]
+        return cache.view(-1, *cache.shape[3:])
 
     def set_writes(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the K/V of batch rows ``rows`` at ``(pages, slots)`` in every layer (computed once per batch)."""

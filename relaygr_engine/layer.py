@@ -125,7 +125,7 @@ class PrefixAttention(nn.Module):
         if q.dtype != cache.dtype:
             q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         if st.write_rows is not None:
-            self._write(st, cache, k, v, len(batch))
+            self._write(st, index, k, v, len(batch))
         ts_q = batch.timestamps if ts_bias is not None else None
         ts_cache = st.ts_cache if ts_bias is not None else None
         args = (q, k, v, cache, st.kv_indptr, st.kv_indices, st.kv_last_page_len, batch.cu_seqlens,
@@ -134,8 +134,8 @@ class PrefixAttention(nn.Module):
             _check_args(*args, read_tables=st.plan is None and st.torch_plan is None)
             st.validated = True
         if st.torch_plan is not None and q.dtype in (torch.float32, torch.float64):
-            o = planned_attention(st.torch_plan, q, k, v, cache, self.mode, self.scale, self.hstu_norm,
-                                  pos_bias, ts_bias)
+            o = planned_attention(st.torch_plan, q, k, v, st.flat(index), self.mode, self.scale, self.hstu_norm,
+                                  pos_bias, ts_bias, compiled=st.compiled)
         else:
             o = _dispatch(*args, st.backend, plan=st.plan)
         if Dc != self.value_dim:
@@ -143,13 +143,14 @@ class PrefixAttention(nn.Module):
         return o if o.dtype == out_dtype else o.to(out_dtype)
 
     @staticmethod
-    def _write(st, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
-        """Store the K/V of the batch rows the engine is keeping in their pages."""
+    def _write(st, index: int, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
+        """Store the K/V of the batch rows the engine is keeping in layer ``index``'s pages."""
+        cache = st.kv_caches[index]
         if st.backend is AttentionBackend.TRITON:
             from .kernels.kv_write import kv_write
             kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, cache.shape[2]), check_slots=False)
             return
-        flat, dst = cache.view(-1, *cache.shape[3:]), st.write_kv_rows
+        flat, dst = st.flat(index), st.write_kv_rows
         flat.index_copy_(0, dst, k.index_select(0, st.write_rows))
         flat.index_copy_(0, dst + cache.shape[2], v.index_select(0, st.write_rows))
 

@@ -8,6 +8,7 @@ Semantics are those of :func:`relaygr_engine.ops.paged_prefix_attention` (the re
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -15,10 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._host import to_device
 from .config import AttentionMode
 from .ops import time_buckets
 
-__all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "planned_attention"]
+__all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "compiled_core",
+           "planned_attention"]
 
 # Largest padded score tensor (users x heads x rows x keys) the plan path materialises; larger batches (long
 # prefills) take the blockwise reference, which bounds its temporaries.
@@ -35,48 +38,74 @@ class TorchPlan:
 
     Attributes
     ----------
-    k_slots : LongTensor [S]
-        Row of each cached token's K in a layer's cache viewed as ``[num_pages * 2 * page_size, H, D]`` (V is
-        ``page_size`` rows further).
-    kidx : LongTensor [B * K]
-        Each padded key's row in ``cat(cached K [S], new rows [R])`` (padding: 0, masked out).
+    kv_slots : LongTensor [2 * S]
+        Row of each cached token's K, then of each cached token's V, in a layer's cache viewed as
+        ``[num_pages * 2 * page_size, H, D]``.
+    kvidx : LongTensor [2 * B * K]
+        Each padded key's row, then each padded value's row, in ``cat(cached K and V [2 S], new K [R], new V [R])``
+        (padding: 0, masked out).
     qidx : LongTensor [B * M]
         Each padded query's batch row (padding: 0).
     out_idx : LongTensor [R]
         Each batch row's place in the padded ``[B * M]`` output.
-    visible : BoolTensor [B, 1, M, K]
-    hidden : BoolTensor [B, 1, M, K]
-        ``~visible``.
+    visible, hidden : BoolTensor [B, 1, M, K]
+        Which padded (row, key) pairs attend, and the others.
+    dist : LongTensor [B, 1, M, K]
+        Position distance ``pos_q - pos_k`` (>= 0 where visible).
+    t_q, t_k : LongTensor [B, 1, M, 1] and [B, 1, 1, K], optional
+        Query and key times (the time-bias tables).
+    mask_values : Tensor [2]
+        ``[0, -BIG]``: the additive mask the HSTU bias gather ends with (``silu(-BIG)`` is exactly 0).
     """
 
     B: int
     M: int
     K: int
     page_size: int
-    k_slots: torch.Tensor
-    kidx: torch.Tensor
+    kv_slots: torch.Tensor
+    kvidx: torch.Tensor
     qidx: torch.Tensor
     out_idx: torch.Tensor
     visible: torch.Tensor
     hidden: torch.Tensor
-    dist: torch.Tensor  # [B, 1, M, K] position distance pos_q - pos_k (>= 0 where visible)
-    t_q: Optional[torch.Tensor] = None  # [B, 1, M, 1] query times
-    t_k: Optional[torch.Tensor] = None  # [B, 1, 1, K] key times
+    dist: torch.Tensor
+    mask_values: torch.Tensor
+    t_q: Optional[torch.Tensor] = None
+    t_k: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict)
 
-    def distance(self, size: int) -> torch.Tensor:
-        """``dist`` clamped to ``[0, size - 1]`` (a position-bias table of ``size`` entries)."""
-        d = self._cache.get(("dist", size))
-        if d is None:
-            d = self._cache[("dist", size)] = self.dist.clamp(0, size - 1)
-        return d
+    def bias_index(self, pos_size: int, ts_size: int) -> torch.Tensor:
+        """``[n, B, 1, M, K]`` (``[B, 1, M, K]`` for ``n = 1``) indices into ``cat(pos table [pos_size], time table [ts_size], mask_values)``.
 
-    def buckets(self, num_buckets: int) -> torch.Tensor:
-        """Time bucket of ``t_q - t_k`` for every padded (row, key)."""
-        b = self._cache.get(("ts", num_buckets))
-        if b is None:
-            b = self._cache[("ts", num_buckets)] = time_buckets(self.t_q - self.t_k, num_buckets)
-        return b
+        One row per table in use (``pos_size``/``ts_size`` 0: not used; none used: one row that only masks): the
+        clamped position distance, the time bucket (offset by ``pos_size``), and ``-BIG`` wherever a key is hidden,
+        so that ``table[index].sum(0)`` is the whole additive bias and mask of a layer in one gather.
+        """
+        key = (pos_size, ts_size)
+        idx = self._cache.get(key)
+        if idx is not None:
+            return idx
+        rows = []
+        if pos_size:
+            rows.append(self.dist.clamp(0, pos_size - 1))
+        if ts_size:
+            rows.append(time_buckets(self.t_q - self.t_k, ts_size) + pos_size)
+        zero = pos_size + ts_size  # index of mask_values[0]
+        if not rows:
+            rows.append(torch.full_like(self.dist, zero))
+        idx = (torch.stack(rows) if len(rows) > 1 else rows[0]).masked_fill_(self.hidden, zero + 1)
+        self._cache[key] = idx
+        return idx
+
+
+# Additive mask of a hidden (row, key) in the HSTU plan path: finite, so silu(x - BIG) = (x - BIG) * sigmoid(x - BIG)
+# is exactly -0.0 for any finite score x of fp32/fp64 magnitude (the sigmoid underflows to 0).
+_MASK_BIG = 1e30
+
+
+@functools.lru_cache(maxsize=8)
+def _mask_values(device: torch.device) -> torch.Tensor:
+    return torch.tensor([0.0, -_MASK_BIG], device=device)
 
 
 def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_lens: Sequence[int],
@@ -123,41 +152,68 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
         pos_k[b, :P + m] = np.minimum(np.arange(P + m), P + n)
         s0 += P
         r0 += m
-    as_t = (lambda a: torch.from_numpy(a).to(device))
-    vis = as_t(visible)[:, None]
-    plan = TorchPlan(B, M, K, page_size, as_t(k_slots), as_t(kidx.reshape(-1)), as_t(qidx.reshape(-1)),
-                     as_t(out_idx), vis, ~vis, as_t(pos_q[:, :, None] - pos_k[:, None, :])[:, None])
+    as_t = (lambda a: to_device(a, a.dtype, device))
+    R = r0
+    new = kidx >= S  # new rows: S + r -> 2 S + r (keys), 2 S + R + r (values)
+    kvidx = np.concatenate([np.where(new, kidx + S, kidx), np.where(new, kidx + S + R, kidx + S)]).reshape(-1)
+    plan = TorchPlan(B, M, K, page_size, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
+                     as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible[:, None]), as_t(~visible[:, None]),
+                     as_t((pos_q[:, :, None] - pos_k[:, None, :])[:, None]), _mask_values(device))
     if ts_rows is not None:
         t_cached = ts_cache.view(-1)[as_t(k_slots // (2 * page_size) * page_size + k_slots % page_size)] \
             if S else ts_rows[:0]
-        t_keys = torch.cat([t_cached, ts_rows]).index_select(0, plan.kidx)
+        t_keys = torch.cat([t_cached, ts_rows]).index_select(0, as_t(kidx.reshape(-1)))
         plan.t_q = ts_rows.index_select(0, plan.qidx).view(B, 1, M, 1)
         plan.t_k = t_keys.view(B, 1, 1, K)
     return plan
 
 
-def planned_attention(plan: TorchPlan, q, k, v, kv_cache, mode: AttentionMode, scale: float, hstu_norm: float,
-                      pos_bias=None, ts_bias=None) -> torch.Tensor:
-    """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``kv_cache [num_pages, 2, page_size, H, D]``.
+def planned_attention(plan: TorchPlan, q, k, v, flat_cache, mode: AttentionMode, scale: float, hstu_norm: float,
+                      pos_bias=None, ts_bias=None, compiled: bool = False) -> torch.Tensor:
+    """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``flat_cache [num_pages * 2 * page_size, H, D]``
+    (a layer's ``[num_pages, 2, page_size, H, D]`` cache viewed flat).
 
+    ``compiled`` runs the tensor work through ``torch.compile`` (dynamic shapes; see :func:`compiled_core`).
     Returns ``[R, H, D]`` in ``q``'s dtype (computed in it; fp32 rows give fp32 accumulation).
     """
-    B, M, K = plan.B, plan.M, plan.K
-    H, D = q.shape[1], q.shape[2]
-    flat = kv_cache.view(-1, H, D)
-    keys = torch.cat([flat.index_select(0, plan.k_slots), k]).index_select(0, plan.kidx).view(B, K, H, D)
-    vals = torch.cat([flat.index_select(0, plan.k_slots + plan.page_size), v]).index_select(0, plan.kidx)
-    qp = q.index_select(0, plan.qidx).view(B, M, H, D).transpose(1, 2)
-    s = torch.matmul(qp, keys.permute(0, 2, 3, 1)).mul_(scale)               # [B, H, M, K]
+    core = compiled_core() if compiled else _core
+    shape = (plan.B, plan.M, plan.K)
     if mode is AttentionMode.SOFTMAX:
-        a = torch.softmax(s.masked_fill_(plan.hidden, float("-inf")), dim=-1)
+        return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
+                    mask=plan.visible)
+    tables = [t for t in (pos_bias, ts_bias) if t is not None]
+    idx = plan.bias_index(0 if pos_bias is None else pos_bias.numel(), 0 if ts_bias is None else ts_bias.numel())
+    return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
+                bias_table=torch.cat([*tables, plan.mask_values]), bias_index=idx, hstu_norm=hstu_norm)
+
+
+def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int, int, int], scale: float, *,
+          mask=None, bias_table=None, bias_index=None, hstu_norm: float = 1.0) -> torch.Tensor:
+    """The tensor work of :func:`planned_attention` (index tables as in :class:`TorchPlan`): softmax under ``mask``
+    when given, else HSTU with the additive ``bias_table[bias_index]`` (summed over its first dim when 5-D)."""
+    B, M, K = shape
+    H, D = q.shape[1], q.shape[2]
+    kv = torch.cat([flat_cache.index_select(0, kv_slots), k, v]).index_select(0, kvidx)
+    keys, vals = kv.view(2, B, K, H, D).transpose(2, 3).unbind(0)              # [B, H, K, D] each
+    if B == 1:  # the rows are the padded rows: no gather
+        qp = q.transpose(0, 1).unsqueeze(0)
     else:
-        if pos_bias is not None:
-            s.add_(pos_bias[plan.distance(pos_bias.numel())])
-        if ts_bias is not None:
-            s.add_(ts_bias[plan.buckets(ts_bias.numel())])
-        a = F.silu(s, inplace=True).masked_fill_(plan.hidden, 0.0)
-    o = torch.matmul(a, vals.view(B, K, H, D).transpose(1, 2))                 # [B, H, M, D]
-    if mode is AttentionMode.HSTU:
-        o.div_(hstu_norm)
-    return o.transpose(1, 2).reshape(B * M, H, D).index_select(0, plan.out_idx)
+        qp = q.index_select(0, qidx).view(B, M, H, D).transpose(1, 2)          # [B, H, M, D]
+    if mask is not None:
+        o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
+    else:
+        bias = bias_table[bias_index]  # the cat promoted the tables' dtypes
+        if bias.dim() == 5:
+            bias = bias.sum(0)                                                   # [B, 1, M, K]
+        a = F.silu(torch.add(bias, torch.matmul(qp, keys.transpose(2, 3)), alpha=scale), inplace=True)
+        o = torch.matmul(a, vals).div_(hstu_norm)                                # [B, H, M, D]
+    if B == 1:
+        return o[0].transpose(0, 1)
+    return o.transpose(1, 2).reshape(B * M, H, D).index_select(0, out_idx)
+
+
+@functools.cache
+def compiled_core():
+    """:func:`_core` through ``torch.compile(dynamic=True)`` (made once per process; each new combination of
+    dtype, mode and single/batched compiles on first use, about a minute on a CPU)."""
+    return torch.compile(_core, dynamic=True)

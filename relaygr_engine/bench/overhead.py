@@ -11,7 +11,10 @@ hit (all but the last 4 tokens cached) and no cache (``rank_uncached``).
 
 Model: HSTU, hidden 64, 2 heads x 32, fp32, CPU (``--device`` for another), torch backend.
 
-    relaygr bench overhead [--quick] [--json PATH] [--repeats N] [--threads N] [--device cpu|cuda]
+With ``--compile`` the hit path is also timed on an engine built with ``compile_attention=True`` (the compile
+itself, on each configuration's first call, is not timed).
+
+    relaygr bench overhead [--quick] [--compile] [--json PATH] [--repeats N] [--threads N] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -69,9 +72,10 @@ def _history(L: int, seed: int, device: str) -> Behaviors:
                      timestamps=(torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000).to(device))
 
 
-def _engine(model, device: str, pages: int = 4096) -> RelayEngine:
+def _engine(model, device: str, pages: int = 4096, compile_attention: bool = False) -> RelayEngine:
     return RelayEngine(model, CacheConfig(device=device, page_size=16, num_pages=pages, max_pinned_fraction=1.0,
-                                          lease_ttl_s=1e9, attention_backend="torch"), extend_on_rank=False)
+                                          lease_ttl_s=1e9, attention_backend="torch"), extend_on_rank=False,
+                       compile_attention=compile_attention)
 
 
 def _cached(engine: RelayEngine, users, hist: Behaviors) -> None:
@@ -123,6 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the hit path with RelayEngine(compile_attention=True) (compiles first, minutes)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -139,27 +145,42 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"thread(s), torch backend; hit = all but the last {NEW_TOKENS} history tokens cached")
     print(f"aten ops: hit path {ops['hit_ops_per_layer']:.1f}/layer + {ops['hit_ops_per_request']:.1f}/request; "
           f"no cache {ops['uncached_ops_per_layer']:.1f}/layer + {ops['uncached_ops_per_request']:.1f}/request")
-    print(f"{'L':>5} {'C':>4} {'batch':>6} {'hit us/req':>11} {'no-cache us/req':>16}")
+    print(f"{'L':>5} {'C':>4} {'batch':>6} {'hit us/req':>11} {'no-cache us/req':>16}"
+          + (f" {'hit compiled':>13}" if args.compile else ""))
     model = _model(2, str(device))
     engine = _engine(model, str(device))
+    compiled = _engine(model, str(device), compile_attention=True) if args.compile else None
     rows, result = [], {}
     for L in lengths:
         hist = _history(L, L, str(device))
         _cached(engine, range(32), hist)
+        if compiled is not None:
+            _cached(compiled, range(32), hist)
         for C in cands:
             c = torch.arange(C, device=device)
             for B in (1,) if args.quick else (1, 8, 32):
                 reqs = [RankRequest(u, hist, c) for u in range(B)]
                 hit = _time(lambda: engine.rank_with_prefix_batch(reqs), device, repeats) / B
                 full = _time(lambda: [model.rank_uncached(hist, c) for _ in range(B)], device, repeats) / B
-                rows.append(dict(L=L, C=C, batch=B, hit_us_per_request=hit, uncached_us_per_request=full))
-                print(f"{L:>5} {C:>4} {B:>6} {hit:>11.1f} {full:>16.1f}")
+                row = dict(L=L, C=C, batch=B, hit_us_per_request=hit, uncached_us_per_request=full)
+                line = f"{L:>5} {C:>4} {B:>6} {hit:>11.1f} {full:>16.1f}"
+                if compiled is not None:
+                    compiled.rank_with_prefix_batch(reqs)  # compile outside the timed calls
+                    row["hit_compiled_us_per_request"] = _time(
+                        lambda: compiled.rank_with_prefix_batch(reqs), device, repeats) / B
+                    line += f" {row['hit_compiled_us_per_request']:>13.1f}"
+                rows.append(row)
+                print(line)
     by = {(r["L"], r["C"], r["batch"]): r for r in rows}
     result.update(ops_per_layer=round(ops["hit_ops_per_layer"], 1), ops_per_request=round(ops["hit_ops_per_request"], 1),
                   uncached_ops_per_layer=round(ops["uncached_ops_per_layer"], 1),
                   us_per_call=round(by[(16, 1, 1)]["hit_us_per_request"], 1))
     if (16, 1, 32) in by:
         result["us_per_request_b32"] = round(by[(16, 1, 32)]["hit_us_per_request"], 1)
+    if compiled is not None:
+        result["us_per_call_compiled"] = round(by[(16, 1, 1)]["hit_compiled_us_per_request"], 1)
+        if (16, 1, 32) in by:
+            result["us_per_request_b32_compiled"] = round(by[(16, 1, 32)]["hit_compiled_us_per_request"], 1)
     result.update(device=str(device), threads=args.threads)
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, op_counts=ops))
     return 0

@@ -84,11 +84,16 @@ class RelayEngine:
         The model part of every prefix fingerprint. Default: a hash of the model's state dict, recomputed when a
         tensor of it changes. Give a version string when the weights are managed elsewhere (and change it with
         them: cached prefixes of another version are never reused).
+    compile_attention : bool
+        Torch backend: run each layer's attention over the batch plan through ``torch.compile`` (dynamic shapes;
+        :func:`relaygr_engine.torch_plan.compiled_core`). Default False. The first calls of each kind (dtype,
+        mode, single or batched) compile, about a minute on a CPU; ``relaygr bench overhead --compile`` measures
+        what it gains on a machine.
     """
 
     def __init__(self, model: nn.Module, cache_config: Optional[CacheConfig] = None, trigger=None, *,
                  extend_on_rank: bool = True, store_misses: bool = False,
-                 model_version: Optional[str] = None) -> None:
+                 model_version: Optional[str] = None, compile_attention: bool = False) -> None:
         layers = find_layers(model)
         if not layers:
             raise ValueError(f"model must hold at least one relaygr_engine.PrefixAttention layer (where its "
@@ -102,6 +107,8 @@ class RelayEngine:
         if trigger is not None and not all(callable(getattr(trigger, m, None)) for m in ("decide", "on_prefill_done")):
             raise ValueError(f"trigger must be None or have decide(...) and on_prefill_done(...) methods, got "
                              f"{type(trigger).__name__}")
+        if not isinstance(compile_attention, bool):
+            raise ValueError(f"compile_attention must be a bool, got {compile_attention!r}")
         if model_version is not None and not (isinstance(model_version, str) and model_version):
             raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
         H, D = _cache_shape(layers)
@@ -119,7 +126,7 @@ class RelayEngine:
         self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
         self.prefill = PrefillPlanner(self.state, self.index, trigger)
         self.ranking = RankPlanner(self.state, self.index)
-        self.runner = ForwardRunner(model, layers, self.state)
+        self.runner = ForwardRunner(model, layers, self.state, compile_attention=compile_attention)
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

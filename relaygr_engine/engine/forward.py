@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._host import to_device
 from ..batch import RelayBatch
 from ..config import AttentionBackend
 from ..context import PagedState, paged_context
@@ -29,10 +30,14 @@ class ForwardRunner:
     layers : sequence of PrefixAttention
         The model's attention layers; layer ``i`` reads and writes ``state.cache.kv[i]``.
     state : CacheState
+    compile_attention : bool
+        Run the torch backend's planned attention compiled (``PagedState.compiled``).
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState, *,
+                 compile_attention: bool = False) -> None:
         self.model, self.layers, self.state = model, list(layers), state
+        self.compile_attention = compile_attention
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
@@ -74,12 +79,13 @@ class ForwardRunner:
                 w_pages.append(np.asarray(j.write_pages)[tok // ps])
                 w_slots.append(tok % ps)
             r0 += rows
-        i32 = (lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32)).to(dev))
-        i64 = (lambda a: torch.as_tensor(np.concatenate(a).astype(np.int64)).to(dev))
+        i32 = (lambda a: to_device(a, np.int32, dev))
+        i64 = (lambda a: to_device(np.concatenate(a), np.int64, dev))
         kv_indptr, kv_indices, kv_last = i32(indptr), i32(np.concatenate(indices)), i32(last)
         backend = _resolve_backend(st.config.attention_backend, dev)
         timed = batch.timestamps is not None
         paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
+                           kv_flat=cache.kv_flat, compiled=self.compile_attention,
                            plan=plan_paged_attention(cache.kv[0], kv_indptr, kv_indices, kv_last, batch.cu_seqlens,
                                                      batch.num_candidates, backend=backend))
         if backend is AttentionBackend.TORCH:

@@ -13,6 +13,7 @@ from ..context import batch_context, find_layers, paged_context, PagedState
 from ..config import AttentionBackend, parse_choice
 from ..identity import WeightsIdentity
 from ..ops import plan_paged_attention
+from ..torch_plan import build_torch_plan
 from .config import GRModelConfig
 from .layers import make_layer
 
@@ -242,6 +243,9 @@ class GRRanker(nn.Module):
         be = parse_choice(AttentionBackend, backend, "backend")
         plan = plan_paged_attention(empty, indptr, indices, last, batch.cu_seqlens, batch.num_candidates, backend=be)
         paged = PagedState([empty] * len(layers), indptr, indices, last, None, be, plan=plan)
+        if be is AttentionBackend.TORCH:  # the cached path's per-batch plan, for the same fixed cost per layer
+            paged.torch_plan = build_torch_plan(batch.rows, batch.candidates_per_user, [0], [np.zeros(0, np.int64)],
+                                                1, cfg.num_heads, dev, ts_rows=batch.timestamps)
         with paged_context(batch, paged, layers):
             return self(batch)
 

@@ -172,7 +172,8 @@ class LatencyModel:
         -------
         int or None
             The largest ``L >= 0`` with ``predict_ms(L, C) <= budget_ms``; ``-1`` when not even an empty history
-            fits; ``None`` when the prediction does not grow with ``L`` (every length fits).
+            fits; ``None`` when every length fits (the prediction does not grow with ``L``, or so slowly
+            that the boundary is past any float, e.g. a subnormal ``b``).
         """
         budget = _checks.number("budget_ms", budget_ms, low=0.0)
         C = _checks.count("num_candidates", num_candidates)
