@@ -129,39 +129,38 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     K = max((p + m for p, m in zip(prefix_lens, rows)), default=0)
     if B == 0 or M == 0 or M * K > MAX_ROWS_X_KEYS or B * num_heads * M * K > MAX_PADDED_SCORES:
         return None
-    S = int(sum(prefix_lens))
-    k_slots, kidx, qidx = np.zeros(S, np.int64), np.zeros((B, K), np.int64), np.zeros((B, M), np.int64)
-    out_idx = np.zeros(sum(rows), np.int64)
-    visible = np.zeros((B, M, K), bool)
-    pos_q, pos_k = np.zeros((B, M), np.int64), np.zeros((B, K), np.int64)
-    s0 = r0 = 0
-    for b, (m, C, P, pages) in enumerate(zip(rows, num_candidates, prefix_lens, prefix_pages)):
-        n = m - C
-        t = np.arange(P)
-        k_slots[s0:s0 + P] = np.asarray(pages, np.int64)[t // page_size] * 2 * page_size + t % page_size
-        kidx[b, :P] = s0 + t
-        kidx[b, P:P + m] = S + r0 + np.arange(m)
-        qidx[b, :m] = r0 + np.arange(m)
-        out_idx[r0:r0 + m] = b * M + np.arange(m)
-        i = np.arange(m)[:, None]
-        j = np.arange(P + m)[None, :]
-        hist = (j <= P + i) & (i < n)                        # history rows: causal over prefix + new history
-        cand = (i >= n) & ((j < P + n) | (j == P + i))        # candidates: the history and themselves
-        visible[b, :m, :P + m] = hist | cand
-        pos_q[b, :m] = P + np.minimum(np.arange(m), n)
-        pos_k[b, :P + m] = np.minimum(np.arange(P + m), P + n)
-        s0 += P
-        r0 += m
+    m, P = np.asarray(rows, np.int64)[:, None], np.asarray(prefix_lens, np.int64)[:, None]   # [B, 1]
+    n = m - np.asarray(num_candidates, np.int64)[:, None]                                     # history rows
+    S, R = int(P.sum()), int(m.sum())
+    s0, r0 = np.cumsum(P) - P[:, 0], np.cumsum(m) - m[:, 0]                                   # [B]
+    # Cached token t of user b: page prefix_pages[b][t // page_size], slot t % page_size (users' tokens in order).
+    t = np.arange(S) - np.repeat(s0, P[:, 0])
+    lens = np.asarray([len(x) for x in prefix_pages], np.int64)
+    page_of = np.concatenate([np.asarray(x, np.int64) for x in prefix_pages]) if S else np.zeros(0, np.int64)
+    page = page_of[np.repeat(np.cumsum(lens) - lens, P[:, 0]) + t // page_size] if S else t
+    slot = t % page_size
+    k_slots = page * (2 * page_size) + slot
+    i, j = np.arange(M)[None, :], np.arange(K)[None, :]                                       # [1, M], [1, K]
+    # Key j of user b in cat(cached K [S], cached V [S], new K [R], new V [R]): cached token j (j < P) at s0 + j,
+    # else new row r0 + j - P at 2 S + r0 + j - P; its value S (cached) or R (new) rows further; padding 0.
+    cached, valid = j < P, j < P + m
+    kk = np.where(valid, j + np.where(cached, s0[:, None], 2 * S + r0[:, None] - P), 0)
+    kvidx = np.concatenate([kk, np.where(valid, kk + np.where(cached, S, R), 0)]).reshape(-1)
+    row = i < m                                                                              # [B, M]
+    qidx = np.where(row, r0[:, None] + i, 0)
+    out_idx = (np.arange(B)[:, None] * M + i)[row]
+    i3, j3, P3, n3, m3 = i[..., None], j[:, None, :], P[..., None], n[..., None], m[..., None]
+    hist = (j3 <= P3 + i3) & (i3 < n3)                        # history rows: causal over prefix + new history
+    cand = (i3 >= n3) & (i3 < m3) & ((j3 < P3 + n3) | (j3 == P3 + i3))  # candidates: the history and themselves
+    visible = hist | cand                                                                    # [B, M, K]
+    dist = (P + np.minimum(i, n))[:, :, None] - np.minimum(j, P + n)[:, None, :]              # pos_q - pos_k
     as_t = (lambda a: to_device(a, a.dtype, device))
-    R = r0
-    new = kidx >= S  # new rows: S + r -> 2 S + r (keys), 2 S + R + r (values)
-    kvidx = np.concatenate([np.where(new, kidx + S, kidx), np.where(new, kidx + S + R, kidx + S)]).reshape(-1)
     plan = TorchPlan(B, M, K, page_size, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
                      as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible[:, None]), as_t(~visible[:, None]),
-                     as_t((pos_q[:, :, None] - pos_k[:, None, :])[:, None]), _mask_values(device))
+                     as_t(dist[:, None]), _mask_values(device))
     if ts_rows is not None:
-        t_cached = ts_cache.view(-1)[as_t(k_slots // (2 * page_size) * page_size + k_slots % page_size)] \
-            if S else ts_rows[:0]
+        t_cached = ts_cache.view(-1)[as_t(page * page_size + slot)] if S else ts_rows[:0]
+        kidx = np.where(valid & ~cached, kk - S, kk)  # the key's row in cat(cached times [S], row times [R])
         t_keys = torch.cat([t_cached, ts_rows]).index_select(0, as_t(kidx.reshape(-1)))
         plan.t_q = ts_rows.index_select(0, plan.qidx).view(B, 1, M, 1)
         plan.t_k = t_keys.view(B, 1, 1, K)
