@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import AttentionMode
+from .config import AttentionMode, TimeBucket
 from .ops import time_buckets
 
 __all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "planned_attention"]
@@ -71,11 +71,12 @@ class TorchPlan:
             d = self._cache[("dist", size)] = self.dist.clamp(0, size - 1)
         return d
 
-    def buckets(self, num_buckets: int) -> torch.Tensor:
+    def buckets(self, num_buckets: int, time_bucket: TimeBucket = TimeBucket.LOG2) -> torch.Tensor:
         """Time bucket of ``t_q - t_k`` for every padded (row, key)."""
-        b = self._cache.get(("ts", num_buckets))
+        b = self._cache.get(("ts", num_buckets, time_bucket))
         if b is None:
-            b = self._cache[("ts", num_buckets)] = time_buckets(self.t_q - self.t_k, num_buckets)
+            b = self._cache[("ts", num_buckets, time_bucket)] = time_buckets(self.t_q - self.t_k, num_buckets,
+                                                                             time_bucket)
         return b
 
 
@@ -137,8 +138,9 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
 
 
 def planned_attention(plan: TorchPlan, q, k, v, kv_cache, mode: AttentionMode, scale: float, hstu_norm: float,
-                      pos_bias=None, ts_bias=None) -> torch.Tensor:
-    """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``kv_cache [num_pages, 2, page_size, H, D]``.
+                      pos_bias=None, ts_bias=None, time_bucket: TimeBucket = TimeBucket.LOG2) -> torch.Tensor:
+    """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``kv_cache [num_pages, 2, page_size, H, D]``;
+    ``time_bucket`` buckets ``ts_bias`` (:func:`relaygr_engine.ops.time_buckets`).
 
     Returns ``[R, H, D]`` in ``q``'s dtype (computed in it; fp32 rows give fp32 accumulation).
     """
@@ -155,7 +157,7 @@ def planned_attention(plan: TorchPlan, q, k, v, kv_cache, mode: AttentionMode, s
         if pos_bias is not None:
             s.add_(pos_bias[plan.distance(pos_bias.numel())])
         if ts_bias is not None:
-            s.add_(ts_bias[plan.buckets(ts_bias.numel())])
+            s.add_(ts_bias[plan.buckets(ts_bias.numel(), time_bucket)])
         a = F.silu(s, inplace=True).masked_fill_(plan.hidden, 0.0)
     o = torch.matmul(a, vals.view(B, K, H, D).transpose(1, 2))                 # [B, H, M, D]
     if mode is AttentionMode.HSTU:
