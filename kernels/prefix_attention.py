@@ -545,7 +545,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
-                TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute, DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
+                TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
+                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
     with C.device_guard(device):
         if cfg.block_n is None:
             _autotuned_kernel()[(programs,)](*args, **meta)

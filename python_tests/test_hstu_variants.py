@@ -106,7 +106,8 @@ def rand(*shape, g, scale=0.3):
 def stu_checkpoint(layers, seed, group_norm=False):
     g = torch.Generator().manual_seed(seed)
     width = H if group_norm else H * DV
-    return [{"_uvqk_weight": rand(D_MODEL, (2 * DV + 2 * DQK) * H, g=g), "_uvqk_beta": rand((2 * DV + 2 * DQK) * H, g=g),
+    return [{"_uvqk_weight": rand(D_MODEL, (2 * DV + 2 * DQK) * H, g=g),
+             "_uvqk_beta": rand((2 * DV + 2 * DQK) * H, g=g),
              "_input_norm_weight": 1 + rand(D_MODEL, g=g), "_input_norm_bias": rand(D_MODEL, g=g),
              "_output_weight": rand(3 * DV * H, D_MODEL, g=g), "_output_norm_weight": 1 + rand(width, g=g),
              "_output_norm_bias": rand(width, g=g)} for _ in range(layers)]
@@ -351,7 +352,8 @@ def test_converted_stu_exact_with_the_triton_interpreter():
 
 def test_defaults_keep_the_layer_as_before():
     cfg = ranker({}).config
-    assert (cfg.value_dim, cfg.norm_eps, cfg.hstu_norm, cfg.attention_scale) == (32, 1e-5, float(MAX_LEN), 1 / math.sqrt(32))
+    want = (32, 1e-5, float(MAX_LEN), 1 / math.sqrt(32))
+    assert (cfg.value_dim, cfg.norm_eps, cfg.hstu_norm, cfg.attention_scale) == want
     layer = ranker({}).layers[0]
     assert layer.uvqk.weight.shape == (4 * H * 32, D_MODEL) and layer.out_proj.weight.shape == (D_MODEL, H * 32)
     with pytest.raises(ValueError, match="hstu_output applies to attention='hstu' only"):

@@ -196,7 +196,8 @@ def _research_positions(sd: Mapping, layer: int, name: str, config: GRModelConfi
     x = sd.get(name)
     if not (isinstance(x, torch.Tensor) and x.dim() == 1 and x.numel() % 2):
         got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"layer {layer}: {name} must have shape [2N-1] (2 * max_seq_len - 1, an odd length), got {got}")
+        raise ValueError(f"layer {layer}: {name} must have shape [2N-1] (2 * max_seq_len - 1, an odd length), "
+                         f"got {got}")
     n = (x.numel() + 1) // 2
     pos_w = _take(sd, layer, name, (2 * n - 1,), "2 * max_seq_len - 1")
     if config.hstu_norm != float(n):
