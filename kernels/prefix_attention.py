@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import AttentionMode, parse_choice
+from ..config import AttentionMode, TimeBucket, parse_choice
+from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
@@ -64,15 +65,32 @@ def _time_bucket(dt, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _table_bucket(dt, bounds_ptr, num_bounds, TS_ABS: tl.constexpr, TS_STEPS: tl.constexpr):
+    """How many steps of the non-decreasing int64 table ``bounds[0 .. num_bounds)`` are ``<= dt`` (``|dt|`` with
+    ``TS_ABS``): a binary search that tries to extend the count by ``2**j`` for ``j = TS_STEPS - 1 .. 0``
+    (``2**TS_STEPS > num_bounds``), one gather from the small table per step."""
+    d = dt
+    if TS_ABS:
+        d = tl.where(dt < 0, -dt, dt)
+    count = tl.zeros_like(d).to(tl.int32)
+    for j in tl.static_range(TS_STEPS - 1, -1, -1):
+        probe = count + (1 << j)
+        ok = probe <= num_bounds
+        step = tl.load(bounds_ptr + (probe - 1), mask=ok, other=0)
+        count = tl.where(ok & (step <= d), probe, count)
+    return count
+
+
+@triton.jit
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
     kv_ptr,                                           # [num_pages, 2, PAGE_SIZE, H, D]
     kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,       # paged layout (int32)
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
-    pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr,
+    pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
     num_heads, num_work, num_programs,
-    num_pos, stride_ts_page,
+    num_pos, num_ts_bounds, stride_ts_page,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_page, stride_kv, stride_slot, stride_head,
     scale, inv_norm,
@@ -80,7 +98,8 @@ def _prefix_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
-    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid = tl.program_id(0)
@@ -183,7 +202,11 @@ def _prefix_attention_kernel(
                         dist = tl.maximum(tl.minimum(q_pos[:, None] - kpos[None, :], num_pos - 1), 0)
                         s += tl.load(pos_bias_ptr + dist, mask=visible, other=0.0)
                     if HAS_TS:
-                        bucket = _time_bucket(t_q[:, None] - t_k[None, :], TS_BITS, TS_STEPS)
+                        if TS_TABLE:
+                            bucket = _table_bucket(t_q[:, None] - t_k[None, :], ts_bounds_ptr, num_ts_bounds,
+                                                   TS_ABS, TS_STEPS)
+                        else:
+                            bucket = _time_bucket(t_q[:, None] - t_k[None, :], TS_BITS, TS_STEPS)
                         s += tl.load(ts_bias_ptr + bucket, mask=visible, other=0.0)
                     p = tl.where(visible, s * tl.sigmoid(s), 0.0)
                     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -381,7 +404,7 @@ def _check_block(name: str, size) -> None:
 
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
-                     persistent=False, block_m=None, block_n=None, allow_tf32=False,
+                     time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
                      plan: Optional[PrefixAttentionPlan] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
@@ -409,12 +432,16 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     pos_bias : Tensor [P], optional
         hstu: bias by position distance ``q_pos - k_pos`` clamped to ``P - 1`` (read as fp32).
     ts_bias : Tensor [NB], optional
-        hstu: bias by time bucket ``min(bit_length(max(t_q - t_k, 0)), NB - 1)`` (read as fp32); needs ``ts_q``
-        and, when a user has cached pages, ``ts_cache``.
+        hstu: bias by time bucket of ``t_q - t_k`` under ``time_bucket`` (read as fp32); needs ``ts_q`` and, when
+        a user has cached pages, ``ts_cache``.
     ts_cache : int64 Tensor [num_pages, page_size], optional
         Timestamps of the cached tokens.
     ts_q : int64 Tensor [total_q], optional
         Timestamps of the query rows (candidates: the request time).
+    time_bucket : {"log2", "ln_0301", "sqrt_60"}
+        The bucket function (:func:`relaygr_engine.ops.time_buckets`): ``"log2"``
+        (``min(bit_length(max(d, 0)), NB - 1)``) is computed with shifts, the others by a binary search over the
+        steps of :func:`relaygr_engine.ops.time_bucket_bounds`.
     persistent : bool
         Launch one program per core (SMs / AI cores; a few in the interpreter), each looping over tiles, instead
         of one program per tile.
@@ -461,6 +488,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         pos_bias = _bias_table("pos_bias", pos_bias, device)
     if ts_bias is not None:
         ts_bias = _bias_table("ts_bias", ts_bias, device)
+        ts_fn = check_time_buckets("ts_bias entries", ts_bias.numel(), time_bucket)
         if ts_q is None:
             raise ValueError("ts_bias needs ts_q (timestamps of the query rows) and, when a user has cached pages, "
                              "ts_cache (timestamps of the cached tokens)")
@@ -497,21 +525,28 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     programs = C.num_programs(device, num_work, persistent)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits, ts_steps = _ts_search(ts_bias.numel()) if has_ts else (1, 0)
+    ts_table = has_ts and ts_fn is not TimeBucket.LOG2
+    ts_bounds = time_bucket_bounds(ts_fn, ts_bias.numel(), device) if ts_table else None
+    if ts_table:
+        ts_steps = ts_bounds.numel().bit_length()
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
     args = (
         q, k, v, out, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
         plan.tile_user, plan.tile_row,
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
+        ts_bounds if ts_table else dummy,
         num_heads, num_work, programs,
-        pos_bias.numel() if has_pos else 1, ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
+        pos_bias.numel() if has_pos else 1, ts_bounds.numel() if ts_table else 0,
+        ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         scale, inv_norm, C.next_pow2(plan.max_key_len),
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
-                TS_STEPS=ts_steps, DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
+                TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
+                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
     with C.device_guard(device):
         if cfg.block_n is None:
             _autotuned_kernel()[(programs,)](*args, **meta)

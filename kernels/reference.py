@@ -14,15 +14,25 @@ __all__ = ["prefix_attention_ref", "kv_write_ref", "kv_pack_ref", "kv_unpack_ref
            "visible_mask_ref"]
 
 
-def time_bucket_ref(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``min(bit_length(max(dt, 0)), num_buckets - 1)`` of an int64 tensor (``bit_length(0) = 0``).
+def time_bucket_ref(dt: torch.Tensor, num_buckets: int, time_bucket="log2") -> torch.Tensor:
+    """Bucket of each int64 time difference ``dt``, clamped to ``num_buckets - 1``, straight from the definition.
 
-    The number of powers of two ``2**k <= d`` for ``k = 0 .. num_buckets - 2``; found by ``searchsorted``.
+    * ``"log2"``: ``bit_length(max(dt, 0))``, the number of powers of two ``2**k <= dt`` (``searchsorted``);
+    * ``"ln_0301"``: ``floor(ln(max(|dt|, 1)) / 0.301)`` evaluated in float32, as Meta's research HSTU does;
+    * ``"sqrt_60"``: ``floor(sqrt(max(dt, 1e-6) / 60))`` evaluated in float32, as Meta's STU time encoder does.
     """
-    top = min(num_buckets - 2, 62)
-    bounds = torch.tensor([1 << e for e in range(top + 1)], dtype=torch.int64, device=dt.device)
-    d = dt.clamp_min(0).contiguous()
-    return torch.searchsorted(bounds, d, right=True)
+    kind = str(getattr(time_bucket, "value", time_bucket)).lower()
+    if kind == "log2":
+        top = min(num_buckets - 2, 62)
+        bounds = torch.tensor([1 << e for e in range(top + 1)], dtype=torch.int64, device=dt.device)
+        return torch.searchsorted(bounds, dt.clamp_min(0).contiguous(), right=True)
+    if kind == "ln_0301":
+        raw = (torch.log(dt.abs().clamp(min=1).to(torch.float32)) / 0.301).long()
+    elif kind == "sqrt_60":
+        raw = torch.sqrt(dt.to(torch.float32).clamp(min=1e-6) / 60.0).long()
+    else:
+        raise ValueError(f"time_bucket must be one of 'log2', 'ln_0301', 'sqrt_60', got {time_bucket!r}")
+    return raw.clamp(0, num_buckets - 1)
 
 
 def visible_mask_ref(num_prefix: int, num_hist: int, num_cand: int, device=None) -> torch.Tensor:
@@ -44,7 +54,7 @@ def _positions(num_prefix: int, num_hist: int, num_cand: int, device) -> tuple[t
 
 def prefix_attention_ref(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
                          *, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None,
-                         ts_q=None) -> torch.Tensor:
+                         ts_q=None, time_bucket="log2") -> torch.Tensor:
     """Reference of :func:`relaygr_engine.kernels.prefix_attention.prefix_attention` (same arguments)."""
     mode = str(getattr(mode, "value", mode)).lower()
     if mode not in ("softmax", "hstu"):
@@ -76,7 +86,7 @@ def prefix_attention_ref(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_
             if ts_bias is not None:
                 t_q = ts_q[lo:hi].long()
                 t_k = torch.cat([ts_cache[page_of, slot_of].long(), t_q])
-                rab += ts_bias.to(cdt)[time_bucket_ref(t_q[:, None] - t_k[None, :], ts_bias.numel())]
+                rab += ts_bias.to(cdt)[time_bucket_ref(t_q[:, None] - t_k[None, :], ts_bias.numel(), time_bucket)]
             w = torch.nn.functional.silu(logits + rab) * mask / hstu_norm
         out[lo:hi] = torch.einsum("hqk,khd->qhd", w, vals)
     return out.to(q.dtype)

@@ -37,9 +37,26 @@ def softmax():
 
 
 def test_examples_run_end_to_end(hstu, softmax):
-    for module in (hstu, softmax):
+    for module in (hstu, softmax, load("stu_checkpoint")):
         out = module.main()
         assert out["max_abs_diff"] <= 1e-4 and set(out["sources"]) == {"hbm"}
+
+
+def test_stu_checkpoint_example_loads_every_layer_tensor_and_stays_exact():
+    module = load("stu_checkpoint")
+    sd = module.stu_checkpoint(seed=3)
+    model = module.build_from_stu(sd)
+    for name, value in sd.items():  # each STU tensor landed in the ranker (transposed where STU stores x W)
+        layer, key = name[len(module.PREFIX) + 1:].split(".", 1)
+        mapped = {"_uvqk_weight": ("uvqk.weight", True), "_uvqk_beta": ("uvqk.bias", False),
+                  "_input_norm_weight": ("input_norm.weight", False), "_input_norm_bias": ("input_norm.bias", False),
+                  "_output_weight": ("out_proj.weight", True), "_output_norm_weight": ("output_norm.weight", False),
+                  "_output_norm_bias": ("output_norm.bias", False)}[key]
+        got = model.state_dict()[f"layers.{layer}.{mapped[0]}"]
+        assert torch.equal(got.t() if mapped[1] else got, value)
+    hists = [module.synthetic_history(n, seed=i) for i, n in enumerate((23, 40))]
+    cands = [torch.randint(0, 1000, (c,), generator=torch.Generator().manual_seed(c)) for c in (5, 3)]
+    assert max(check_relay_exact(model, hists, cands).values()) <= 1e-4
 
 
 def _cases(module, lengths, seed=0):

@@ -327,3 +327,23 @@ def test_registered_custom_op_and_fake_impl():
         out = op(*fake_call)
     assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
     assert math.isfinite(float(paged_prefix_attention(**args, mode="softmax", scale=1.0).abs().sum()))
+
+
+@pytest.mark.parametrize("time_bucket, num_buckets", [("ln_0301", 129), ("sqrt_60", 300)])
+@pytest.mark.parametrize("request_offset", [7, -(1 << 14)])
+def test_float_time_buckets_take_the_run_length_bias_when_it_is_exact(monkeypatch, time_bucket, num_buckets,
+                                                                      request_offset):
+    """The run-length time bias holds for any step function; for ln_0301 (a function of |dt|) only while no
+    candidate is earlier than a key it sees, else the op buckets per element. Both equal the reference."""
+    from relaygr_engine.kernels.reference import prefix_attention_ref
+    args = sorted_times(make_batch(SEGMENTS["varlen_batch"], seed=5), seed=16, gap_bits=16,
+                        request_offset=request_offset)
+    g = torch.Generator().manual_seed(4)
+    kw = dict(mode="hstu", scale=0.4, hstu_norm=2.0, pos_bias=torch.randn(POS, generator=g),
+              ts_bias=torch.randn(num_buckets, generator=g), time_bucket=time_bucket)
+    want = prefix_attention_ref(**args, **kw)
+    if request_offset > 0 or time_bucket == "sqrt_60":
+        def no_buckets(*a, **k):
+            raise AssertionError("per-element time buckets on a sorted history")
+        monkeypatch.setattr(ops, "time_buckets", no_buckets)
+    torch.testing.assert_close(paged_prefix_attention(**args, **kw), want, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "TimeBucket", "parse_choice", "resolve_dtype"]
 
 
 def parse_choice(enum_cls: type[enum.Enum], value, name: str):
@@ -43,6 +43,25 @@ class AttentionMode(str, enum.Enum):
 
     SOFTMAX = "softmax"  # softmax(scale * q.k) over the visible keys
     HSTU = "hstu"        # SiLU(scale * q.k + rab) / hstu_norm, pointwise (no normalisation over keys)
+
+
+class TimeBucket(str, enum.Enum):
+    """How the HSTU time bias buckets a time difference ``d = t_q - t_k`` (int64 seconds), before the clamp to
+    ``num_buckets - 1``.
+
+    The one definition shared by the op, the torch plan, the Triton kernel and the model configuration. Every
+    function is a step function of ``d``; :func:`relaygr_engine.ops.time_bucket_bounds` gives its integer steps,
+    which is how every backend computes it (so they agree exactly).
+    """
+
+    LOG2 = "log2"        # bit_length(max(d, 0)): bucket b >= 1 holds d in [2**(b-1), 2**b)
+    LN_0301 = "ln_0301"  # floor(ln(max(|d|, 1)) / 0.301) in float32 (Meta's research HSTU; note the |d|)
+    SQRT_60 = "sqrt_60"  # floor(sqrt(max(d, 1e-6) / 60)) in float32 (Meta's STU time encoder)
+
+    @property
+    def absolute(self) -> bool:
+        """Whether the function reads ``|d|`` (else negative differences fall in bucket 0)."""
+        return self is TimeBucket.LN_0301
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AttentionBackend, _positive_int, parse_choice
+from .config import AttentionBackend, TimeBucket, _positive_int, parse_choice
 from .context import ForwardContext, current_context
 from .kernels._common import check_scalar
 from .ops import AttentionMode, _check_args, _dispatch, time_buckets
@@ -41,18 +41,23 @@ class PrefixAttention(nn.Module):
         ``H`` and the width ``D`` of ``q`` and ``k``.
     scale : float
         Multiplies ``q.k`` (typically ``1 / sqrt(head_dim)``).
-    hstu_norm : float, optional
+    hstu_norm : float or "batch", optional
         hstu: the constant the sum over keys is divided by (e.g. the model's maximum sequence length); None = 1.
-        Must be None for softmax.
+        ``"batch"``: the batch's longest sequence (its most rows of one user), as models trained with a per-batch
+        normaliser do; the dense forward computes it, but such a layer is not prefix-stable
+        (:attr:`prefix_stable` is False) and a relay engine refuses it. Must be None for softmax.
     value_dim : int, optional
         Width ``Dv`` of ``v`` and of the output (default ``head_dim``). The cache stores ``max(D, Dv)`` per head.
+    time_bucket : {"log2", "ln_0301", "sqrt_60"}
+        hstu: how ``ts_bias`` buckets a time difference (:class:`~relaygr_engine.config.TimeBucket`; default
+        ``"log2"``).
 
     Call
     ----
     ``o = attn(q, k, v, pos_bias=None, ts_bias=None)`` with ``q, k [R, H, D]``, ``v [R, H, Dv]`` (the rows of the
     forward's :class:`~relaygr_engine.batch.RelayBatch`); returns ``o [R, H, Dv]``. hstu only: ``pos_bias [P]`` is
     a table indexed by position distance ``pos_q - pos_k`` (clamped to ``P - 1``), ``ts_bias [NB]`` one indexed by
-    the time bucket of ``t_q - t_k`` (:func:`relaygr_engine.ops.time_buckets`, applied when the batch has
+    the ``time_bucket`` of ``t_q - t_k`` (:func:`relaygr_engine.ops.time_buckets`, applied when the batch has
     timestamps). Both are shared across heads and may be parameters of the caller.
 
     Raises
@@ -63,7 +68,7 @@ class PrefixAttention(nn.Module):
     """
 
     def __init__(self, mode, num_heads: int, head_dim: int, *, scale: float, hstu_norm: Optional[float] = None,
-                 value_dim: Optional[int] = None) -> None:
+                 value_dim: Optional[int] = None, time_bucket=TimeBucket.LOG2) -> None:
         super().__init__()
         self.mode = parse_choice(AttentionMode, mode, "mode")
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -72,7 +77,19 @@ class PrefixAttention(nn.Module):
         self.scale = check_scalar("scale", scale)
         if self.mode is AttentionMode.SOFTMAX and hstu_norm is not None:
             raise ValueError(f"hstu_norm applies to mode='hstu' only, got hstu_norm={hstu_norm!r} with mode='softmax'")
-        self.hstu_norm = 1.0 if hstu_norm is None else check_scalar("hstu_norm", hstu_norm, positive=True)
+        if hstu_norm == "batch":
+            self.hstu_norm = None  # per batch: see prefix_stable
+        else:
+            self.hstu_norm = 1.0 if hstu_norm is None else check_scalar("hstu_norm", hstu_norm, positive=True)
+        self.time_bucket = parse_choice(TimeBucket, time_bucket, "time_bucket")
+        if self.mode is AttentionMode.SOFTMAX and self.time_bucket is not TimeBucket.LOG2:
+            raise ValueError(f"time_bucket applies to mode='hstu' only, got time_bucket={self.time_bucket.value!r} "
+                             "with mode='softmax'")
+
+    @property
+    def prefix_stable(self) -> bool:
+        """Whether a row's output depends only on the rows it sees (False for ``hstu_norm="batch"``)."""
+        return self.hstu_norm is not None
 
     @property
     def cache_dim(self) -> int:
@@ -81,7 +98,11 @@ class PrefixAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", value_dim={self.value_dim}" if self.value_dim != self.head_dim else ""
-        norm = f", hstu_norm={self.hstu_norm:g}" if self.mode is AttentionMode.HSTU else ""
+        norm = ""
+        if self.mode is AttentionMode.HSTU:
+            norm = ", hstu_norm=batch" if self.hstu_norm is None else f", hstu_norm={self.hstu_norm:g}"
+        if self.time_bucket is not TimeBucket.LOG2:
+            norm += f", time_bucket={self.time_bucket.value}"
         return f"{self.mode.value}, heads={self.num_heads}, head_dim={self.head_dim}{extra}, scale={self.scale:g}{norm}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_bias: Optional[torch.Tensor] = None,
@@ -112,6 +133,9 @@ class PrefixAttention(nn.Module):
     # ------------------------------------------------------------------------------------------ relay forward
     def _paged(self, ctx: ForwardContext, q, k, v, pos_bias, ts_bias) -> torch.Tensor:
         st, batch = ctx.paged, ctx.batch
+        if not self.prefix_stable:
+            raise ValueError("hstu_norm='batch' is not prefix-stable: this layer runs the dense forward only "
+                             "(a relay forward divides by a constant normaliser)")
         index = ctx.layer_index.get(id(self))
         if index is None:
             raise RuntimeError("this PrefixAttention is not one of the engine's layers (it was added to the model "
@@ -131,13 +155,13 @@ class PrefixAttention(nn.Module):
         args = (q, k, v, cache, st.kv_indptr, st.kv_indices, st.kv_last_page_len, batch.cu_seqlens,
                 batch.num_candidates, self.mode, self.scale, self.hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
         if not st.validated:  # the first layer checks; a plan (when set) was built from checked tables already
-            _check_args(*args, read_tables=st.plan is None and st.torch_plan is None)
+            _check_args(*args, read_tables=st.plan is None and st.torch_plan is None, time_bucket=self.time_bucket)
             st.validated = True
         if st.torch_plan is not None and q.dtype in (torch.float32, torch.float64):
             o = planned_attention(st.torch_plan, q, k, v, st.flat(index), self.mode, self.scale, self.hstu_norm,
-                                  pos_bias, ts_bias, compiled=st.compiled)
+                                  pos_bias, ts_bias, self.time_bucket, compiled=st.compiled)
         else:
-            o = _dispatch(*args, st.backend, plan=st.plan)
+            o = _dispatch(*args, st.backend, plan=st.plan, time_bucket=self.time_bucket)
         if Dc != self.value_dim:
             o = o[..., :self.value_dim]
         return o if o.dtype == out_dtype else o.to(out_dtype)
@@ -174,9 +198,10 @@ class PrefixAttention(nn.Module):
         if pos_bias is not None:
             s.add_(pos_bias[_distance(ctx, b, r0, r1, pos_bias.numel())])
         if ts_bias is not None:
-            s.add_(ts_bias[_buckets(ctx, b, r0, r1, ts_bias.numel())])
+            s.add_(ts_bias[_buckets(ctx, b, r0, r1, ts_bias.numel(), self.time_bucket)])
         a = F.silu(s, inplace=True).masked_fill_(~visible, 0.0)
-        return torch.einsum("hij,jhd->ihd", a, v).div_(self.hstu_norm)
+        norm = self.hstu_norm if self.hstu_norm is not None else float(max(ctx.batch.rows))
+        return torch.einsum("hij,jhd->ihd", a, v).div_(norm)
 
 
 def _cached(ctx: ForwardContext, key, make):
@@ -204,9 +229,9 @@ def _distance(ctx, b: int, r0: int, r1: int, size: int) -> torch.Tensor:
     return _cached(ctx, ("distance", b, size), make)
 
 
-def _buckets(ctx, b: int, r0: int, r1: int, num_buckets: int) -> torch.Tensor:
+def _buckets(ctx, b: int, r0: int, r1: int, num_buckets: int, time_bucket: TimeBucket) -> torch.Tensor:
     """``[m, m]`` time buckets of ``t_i - t_j``."""
     def make():
         ts = ctx.batch.timestamps[r0:r1]
-        return time_buckets(ts[:, None] - ts[None, :], num_buckets)
-    return _cached(ctx, ("buckets", b, num_buckets), make)
+        return time_buckets(ts[:, None] - ts[None, :], num_buckets, time_bucket)
+    return _cached(ctx, ("buckets", b, num_buckets, time_bucket), make)

@@ -37,11 +37,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .config import AttentionBackend, AttentionMode, parse_choice
+from .config import AttentionBackend, AttentionMode, TimeBucket, parse_choice
 from .kernels import _common
+from .kernels.reference import time_bucket_ref
 
-__all__ = ["AttentionMode", "paged_prefix_attention", "paged_prefix_attention_torch", "plan_paged_attention",
-           "time_buckets"]
+__all__ = ["AttentionMode", "TimeBucket", "max_time_buckets", "paged_prefix_attention", "paged_prefix_attention_torch",
+           "plan_paged_attention", "time_bucket_bounds", "time_buckets"]
 
 _log = logging.getLogger("relaygr_engine")
 
@@ -53,39 +54,94 @@ _MAX_BLOCK_ELEMS = 1 << 22
 # per block.
 _HISTORY_BLOCK_ROWS = 256
 _INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
 
 
 # ---------------------------------------------------------------------------------------------------- time buckets
-@functools.lru_cache(maxsize=32)
-def _pow2_boundaries(num_buckets: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([1 << b for b in range(num_buckets - 1)], dtype=torch.long, device=device)
+# Most buckets a time-bias table may have: bit_length of an int64 is at most 63; the float functions' tables are
+# bounded so that the kernel's search over the bucket steps stays short (Meta's STU encoder uses 2049).
+MAX_LOG2_BUCKETS = 64
+MAX_TIME_BUCKETS = 4096
 
 
-def time_buckets(delta: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Bucket of a time difference: ``min(bit_length(max(delta, 0)), num_buckets - 1)``, in exact integers.
+def max_time_buckets(time_bucket) -> int:
+    """Most buckets ``time_bucket`` may have (64 for ``"log2"``, else 4096)."""
+    fn = parse_choice(TimeBucket, time_bucket, "time_bucket")
+    return MAX_LOG2_BUCKETS if fn is TimeBucket.LOG2 else MAX_TIME_BUCKETS
 
-    ``bit_length(0) = 0``, ``bit_length(1) = 1``, ``bit_length(2..3) = 2``, ``bit_length(4..7) = 3``, ...: bucket
-    ``b >= 1`` holds differences in ``[2**(b-1), 2**b)`` seconds; negative differences fall in bucket 0.
+
+def check_time_buckets(name: str, num_buckets, time_bucket) -> TimeBucket:
+    """Parse ``time_bucket`` and check ``num_buckets`` against it (ValueError naming ``name``); returns the enum."""
+    fn = parse_choice(TimeBucket, time_bucket, "time_bucket")
+    top = max_time_buckets(fn)
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or not 1 <= num_buckets <= top:
+        raise ValueError(f"{name} must be in [1, {top}] for time_bucket={fn.value!r}, got {num_buckets!r}")
+    return fn
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(fn: TimeBucket, num_buckets: int) -> tuple[int, ...]:
+    if fn is TimeBucket.LOG2:
+        return tuple(1 << b for b in range(num_buckets - 1))
+    # Smallest d >= 0 whose bucket (the definition, evaluated as published) is >= b, for b = 1 .. NB-1: a binary
+    # search per b over [0, 2**62], all b at once. The definition is non-decreasing in d, so the steps are exact.
+    want = torch.arange(1, num_buckets, dtype=torch.long)
+    lo, hi = torch.zeros_like(want), torch.full_like(want, 1 << 62)
+    never = time_bucket_ref(hi, num_buckets + 1, fn) < want
+    for _ in range(63):
+        mid = lo + (hi - lo) // 2
+        ok = time_bucket_ref(mid, num_buckets + 1, fn) >= want
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid + 1)
+    return tuple(torch.where(never, torch.full_like(hi, _INT64_MAX), hi).tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds_on(fn: TimeBucket, num_buckets: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(_bounds(fn, num_buckets), dtype=torch.long, device=device)
+
+
+def time_bucket_bounds(time_bucket, num_buckets: int, device=None) -> torch.Tensor:
+    """The steps of a bucket function: ``bounds[b - 1]`` is the smallest ``d >= 0`` in bucket ``b`` or above.
+
+    ``bucket(d) = #{b : bounds[b] <= d}`` (``|d|`` for ``"ln_0301"``), clamped to ``num_buckets - 1`` by the
+    table's length. Buckets no int64 difference reaches get ``2**63 - 1``. Cached per function, size and device.
+
+    Returns
+    -------
+    LongTensor [num_buckets - 1], non-decreasing.
+    """
+    fn = check_time_buckets("num_buckets", num_buckets, time_bucket)
+    return _bounds_on(fn, num_buckets, torch.device("cpu") if device is None else torch.device(device))
+
+
+def time_buckets(delta: torch.Tensor, num_buckets: int, time_bucket=TimeBucket.LOG2) -> torch.Tensor:
+    """Bucket of a time difference under ``time_bucket`` (:class:`~relaygr_engine.config.TimeBucket`), clamped to
+    ``num_buckets - 1``, in exact integers.
+
+    ``"log2"`` (default): ``min(bit_length(max(delta, 0)), num_buckets - 1)``: ``bit_length(0) = 0``,
+    ``bit_length(1) = 1``, ``bit_length(2..3) = 2``, ...: bucket ``b >= 1`` holds differences in
+    ``[2**(b-1), 2**b)`` seconds; negative differences fall in bucket 0. The other functions count the steps of
+    :func:`time_bucket_bounds`, equal to their float32 definitions.
 
     Parameters
     ----------
     delta : LongTensor [...]
         Time differences (int64, seconds).
     num_buckets : int
-        Number of buckets ``NB`` in ``[1, 64]``.
+        Number of buckets ``NB``: ``[1, 64]`` for ``"log2"``, ``[1, 4096]`` otherwise.
+    time_bucket : {"log2", "ln_0301", "sqrt_60"}
 
     Returns
     -------
     LongTensor [...] in ``[0, num_buckets)``.
     """
-    if not 1 <= num_buckets <= 64:
-        raise ValueError(f"num_buckets must be in [1, 64], got {num_buckets}")
+    fn = check_time_buckets("num_buckets", num_buckets, time_bucket)
     if delta.dtype != torch.long:
         raise ValueError(f"delta must be int64, got {delta.dtype}")
     if num_buckets == 1:
         return torch.zeros_like(delta)
-    # The count of boundaries 1, 2, 4, ..., 2**(NB-2) that are <= delta is exactly min(bit_length(delta), NB-1).
-    return torch.bucketize(delta, _pow2_boundaries(num_buckets, delta.device), right=True)
+    return torch.bucketize(delta.abs() if fn.absolute else delta, _bounds_on(fn, num_buckets, delta.device),
+                           right=True)
 
 
 # ---------------------------------------------------------------------------------------------------- reference
@@ -102,20 +158,21 @@ def _pos_toeplitz(pos_bias: torch.Tensor, q0: int, rows: int, nk: int) -> torch.
     return fr.unfold(0, nk, 1).flip(0)
 
 
-def _time_bias_sorted(ts_bias: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor:
+def _time_bias_sorted(ts_bias: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tensor, fn: TimeBucket) -> torch.Tensor:
     """``ts_bias[time_bucket(t_q[i] - t_k[j])]`` ``[rows, nk]`` for non-decreasing key times ``t_k``.
 
     Along a row the time difference does not increase with ``j``, so its bucket is a run-length sequence of at most
-    ``NB`` runs (highest bucket first). ``bucket(d) >= b`` (``b >= 1``) iff ``d >= 2**(b-1)`` iff
-    ``t_k[j] <= t_q[i] - 2**(b-1)``: one ``searchsorted`` per row and bucket gives the run lengths, and the matrix
-    is the table's values repeated by them (exact copies, no per-element bucketing or gather).
-    Caller guarantees ``t_q - 2**(NB-2)`` does not overflow.
+    ``NB`` runs (highest bucket first). ``bucket(d) >= b`` (``b >= 1``) iff ``d >= bounds[b-1]`` iff
+    ``t_k[j] <= t_q[i] - bounds[b-1]`` (:func:`time_bucket_bounds`): one ``searchsorted`` per row and bucket gives
+    the run lengths, and the matrix is the table's values repeated by them (exact copies, no per-element bucketing
+    or gather). Caller guarantees ``t_q - bounds[-1]`` does not overflow, and for an ``absolute`` function that no
+    key the rows see is later than the row.
     """
     NB = ts_bias.numel()
     rows, nk = t_q.numel(), t_k.numel()
     if NB == 1:
         return ts_bias.expand(rows, nk).clone()
-    thr = t_q[:, None] - _pow2_boundaries(NB, t_q.device)[None, :]          # [rows, NB-1]
+    thr = t_q[:, None] - _bounds_on(fn, NB, t_q.device)[None, :]            # [rows, NB-1]
     ge = torch.searchsorted(t_k, thr, right=True)                          # keys with bucket >= 1 .. NB-1
     ge = torch.cat([ge.new_full((rows, 1), nk), ge, ge.new_zeros((rows, 1))], dim=1)   # bucket >= 0 .. NB
     runs = (ge[:, :-1] - ge[:, 1:]).flip(1)                               # keys per bucket, NB-1 first
@@ -123,22 +180,28 @@ def _time_bias_sorted(ts_bias: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tenso
     return vals.repeat_interleave(runs.reshape(-1), output_size=rows * nk).view(rows, nk)
 
 
-def _time_bias(ts_bias: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tensor, keys_sorted: bool) -> torch.Tensor:
+def _time_bias(ts_bias: torch.Tensor, t_q: torch.Tensor, t_k: torch.Tensor, keys_sorted: bool,
+               fn: TimeBucket) -> torch.Tensor:
     """``ts_bias[time_bucket(t_q[i] - t_k[j])]`` ``[rows, nk]`` (run lengths when ``keys_sorted``, else buckets)."""
     if keys_sorted:
-        return _time_bias_sorted(ts_bias, t_q, t_k)
-    b = time_buckets(t_q[:, None] - t_k[None, :], ts_bias.numel())
+        return _time_bias_sorted(ts_bias, t_q, t_k, fn)
+    b = time_buckets(t_q[:, None] - t_k[None, :], ts_bias.numel(), fn)
     return ts_bias.index_select(0, b.view(-1)).view(b.shape)
 
 
-def _sorted_times(t_rows: torch.Tensor, t_keys: torch.Tensor, num_buckets: int) -> bool:
-    """Whether the run-length time bias applies: key times non-decreasing and ``t - 2**(NB-2)`` cannot overflow."""
+def _sorted_times(t_rows: torch.Tensor, t_keys: torch.Tensor, n: int, num_buckets: int, fn: TimeBucket) -> bool:
+    """Whether the run-length time bias applies: key times non-decreasing, ``t - bounds[-1]`` cannot overflow and,
+    for a function of ``|d|``, no candidate (rows ``n..``) is earlier than a key (history rows see earlier keys
+    only)."""
     if t_keys.numel() > 1 and not bool((t_keys[1:] >= t_keys[:-1]).all()):
         return False
-    return t_rows.numel() == 0 or int(t_rows.min()) >= _INT64_MIN + (1 << max(num_buckets - 2, 0))
+    if fn.absolute and t_keys.numel() and t_rows.numel() > n and int(t_rows[n:].min()) < int(t_keys[-1]):
+        return False
+    top = _bounds(fn, num_buckets)[-1] if num_buckets > 1 else 0
+    return t_rows.numel() == 0 or int(t_rows.min()) >= _INT64_MIN + top
 
 
-def _attend_history(qt, kt, vt, out, r0, r1, P, mode, norm, pos_bias, ts_bias, t_rows, t_keys, keys_sorted):
+def _attend_history(qt, kt, vt, out, r0, r1, P, mode, norm, pos_bias, ts_bias, t_rows, t_keys, keys_sorted, fn):
     """History rows ``r0..r1-1`` (causal over prefix + new tokens); writes ``out[r0:r1]`` ``[rows, H, D]``.
 
     ``qt [H, m, D]`` is already multiplied by ``scale``; ``kt [H, D, P+n]``, ``vt [H, P+n, D]``. Row ``i`` of the
@@ -154,7 +217,7 @@ def _attend_history(qt, kt, vt, out, r0, r1, P, mode, norm, pos_bias, ts_bias, t
     else:
         rab = None
         if ts_bias is not None:
-            rab = _time_bias(ts_bias, t_rows[r0:r1], t_keys[:nk], keys_sorted)
+            rab = _time_bias(ts_bias, t_rows[r0:r1], t_keys[:nk], keys_sorted, fn)
         if pos_bias is not None:
             toe = _pos_toeplitz(pos_bias, P + r0, rows, nk)
             rab = toe if rab is None else rab.add_(toe)
@@ -188,7 +251,7 @@ def _attend_candidates(qt, kt, vt, q, k, v, out, c0, c1, mode, norm, rab, self_b
     out[c0:c1] = o.transpose(0, 1)
 
 
-def _candidate_bias(nk, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted):
+def _candidate_bias(nk, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted, fn):
     """Bias of the candidates (rows ``n..m-1``, all at position ``nk``) over the ``nk`` keys, and to themselves.
 
     Returns ``(rab, self_bias)``: ``rab`` is ``[nk]`` when every candidate has the same request time (or no time
@@ -202,9 +265,9 @@ def _candidate_bias(nk, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted):
     if ts_bias is not None:
         t_c = t_rows[n:]
         if bool((t_c == t_c[0]).all()):
-            tb = _time_bias(ts_bias, t_c[:1], t_keys, keys_sorted)[0]
+            tb = _time_bias(ts_bias, t_c[:1], t_keys, keys_sorted, fn)[0]
         else:
-            tb = _time_bias(ts_bias, t_c, t_keys, keys_sorted)
+            tb = _time_bias(ts_bias, t_c, t_keys, keys_sorted, fn)
         rab = tb if rab is None else rab + tb
         self_bias.append(ts_bias[0])
     return rab, self_bias
@@ -212,7 +275,7 @@ def _candidate_bias(nk, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted):
 
 def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                                  num_candidates, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None,
-                                 ts_cache=None, ts_q=None):
+                                 ts_cache=None, ts_q=None, time_bucket=TimeBucket.LOG2):
     """Pure-torch reference of :func:`paged_prefix_attention` (no input validation; see that function).
 
     Users are processed one after another. A user's cached K/V are gathered from its pages in one
@@ -227,7 +290,7 @@ def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_la
     -------
     Tensor [total_q, H, D], dtype of ``q``.
     """
-    mode = AttentionMode(mode)
+    mode, fn = AttentionMode(mode), TimeBucket(time_bucket)
     H, D = q.shape[1], q.shape[2]
     page_size = kv_cache.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -277,7 +340,7 @@ def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_la
                 t_keys = torch.cat([ts_cache.index_select(0, pages).reshape(-1)[:P], t_rows[:n]])
             else:
                 t_keys = t_rows[:n]
-            keys_sorted = _sorted_times(t_rows, t_keys, ts_bias.numel())
+            keys_sorted = _sorted_times(t_rows, t_keys, n, ts_bias.numel(), fn)
         qt = qb.transpose(0, 1)  # [H, m, D]
         kt = keys.permute(1, 2, 0)  # [H, D, P + n]
         vt = vals.transpose(0, 1)  # [H, P + n, D]
@@ -286,11 +349,11 @@ def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_la
         rows = min(mem_rows, _HISTORY_BLOCK_ROWS)
         for c0 in range(0, n, rows):
             _attend_history(qt, kt, vt, ob, c0, min(n, c0 + rows), P, mode, hstu_norm, pos_bias, ts_bias,
-                            t_rows, t_keys, keys_sorted)
+                            t_rows, t_keys, keys_sorted, fn)
         if m > n:
             rab, self_bias = None, []
             if hstu:
-                rab, self_bias = _candidate_bias(P + n, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted)
+                rab, self_bias = _candidate_bias(P + n, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted, fn)
             for c0 in range(n, m, mem_rows):
                 c1 = min(m, c0 + mem_rows)
                 blk_rab = rab[c0 - n:c1 - n] if rab is not None and rab.dim() == 2 else rab
@@ -305,14 +368,16 @@ def _paged_prefix_attention_op(
     kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, cu_seqlens_q: torch.Tensor,
     num_candidates: torch.Tensor, mode: str, scale: float, hstu_norm: float, pos_bias: Optional[torch.Tensor],
     ts_bias: Optional[torch.Tensor], ts_cache: Optional[torch.Tensor], ts_q: Optional[torch.Tensor],
+    time_bucket: str = "log2",
 ) -> torch.Tensor:
     return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
-                                        num_candidates, mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
+                                        num_candidates, mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q,
+                                        time_bucket)
 
 
 @_paged_prefix_attention_op.register_fake
 def _(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode, scale,
-      hstu_norm, pos_bias, ts_bias, ts_cache, ts_q):
+      hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket="log2"):
     return q.new_empty(q.shape)
 
 
@@ -332,7 +397,8 @@ def _tensor(name: str, x, dims: int, device: torch.device, dtype=None, floating:
 
 
 def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, *, read_tables: bool = True) -> None:
+                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, *, read_tables: bool = True,
+                time_bucket=TimeBucket.LOG2) -> None:
     """Raise ValueError naming the first bad argument (expected vs actual).
 
     The page table and row layout go through :func:`relaygr_engine.kernels._common.check_page_table`, the check
@@ -370,8 +436,10 @@ def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
             raise ValueError("pos_bias must have at least 1 entry, got 0")
     if ts_bias is not None:
         _tensor("ts_bias", ts_bias, 1, dev, floating=True)
-        if not 1 <= ts_bias.numel() <= 64:
-            raise ValueError(f"ts_bias must have 1..64 entries (time buckets), got {ts_bias.numel()}")
+        top = max_time_buckets(time_bucket)
+        if not 1 <= ts_bias.numel() <= top:
+            raise ValueError(f"ts_bias must have 1..{top} entries (time buckets of {TimeBucket(time_bucket).value!r}), "
+                             f"got {ts_bias.numel()}")
         if ts_q is None:
             raise ValueError("ts_q (timestamps of the query rows) is required with ts_bias")
         _tensor("ts_q", ts_q, 1, dev, dtype=torch.long)
@@ -434,7 +502,7 @@ def _warn_once(message: str) -> None:
 
 def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
                            *, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
-                           backend="torch", plan=None):
+                           time_bucket="log2", backend="torch", plan=None):
     """Attention of each user's new history rows and candidates over its cached prefix pages and its new rows.
 
     See the module docstring for the exact positions, masks and formulas.
@@ -469,6 +537,9 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
         Timestamps of the cached tokens, beside the pages.
     ts_q : LongTensor [total_q], optional
         Timestamps of the query rows (a candidate's is the request time).
+    time_bucket : {"log2", "ln_0301", "sqrt_60"}
+        hstu: the bucket function of ``ts_bias`` (:class:`~relaygr_engine.config.TimeBucket`; ``NB <= 64`` for
+        ``"log2"``, ``<= 4096`` otherwise).
     backend : {"torch", "triton", "auto"}
         ``"torch"``: the pure-torch reference (any device; through the ``relaygr::paged_prefix_attention``
         custom op when traced or compiled, called directly in eager mode);
@@ -493,10 +564,11 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     """
     mode = parse_choice(AttentionMode, mode, "mode")
     be = parse_choice(AttentionBackend, backend, "backend")
+    fn = parse_choice(TimeBucket, time_bucket, "time_bucket")
     _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
+                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket=fn)
     return _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
-                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be, plan=plan)
+                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be, plan=plan, time_bucket=fn)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -505,8 +577,9 @@ def _eager(q: torch.Tensor) -> bool:
 
 
 def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend, plan=None):
-    """:func:`paged_prefix_attention` after validation (``mode`` an :class:`AttentionMode`, ``backend`` parsed).
+              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend, plan=None, time_bucket=TimeBucket.LOG2):
+    """:func:`paged_prefix_attention` after validation (``mode`` an :class:`AttentionMode`, ``backend`` parsed,
+    ``time_bucket`` a :class:`TimeBucket`).
 
     Callers that already validated the same page table and row layout (e.g. the layers of one forward after the
     first) call this directly. The torch backend runs the reference directly in eager mode (the registered
@@ -520,11 +593,13 @@ def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seq
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return _triton_impl()(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                               num_candidates, mode=mode.value, scale=float(scale), hstu_norm=float(hstu_norm),
-                              pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q, plan=plan)
+                              pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q, plan=plan,
+                              time_bucket=time_bucket.value)
     if _eager(q):
         return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                             cu_seqlens_q, num_candidates, mode, float(scale), float(hstu_norm),
-                                            pos_bias, ts_bias, ts_cache, ts_q)
+                                            pos_bias, ts_bias, ts_cache, ts_q, time_bucket)
     return torch.ops.relaygr.paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                                     cu_seqlens_q, num_candidates, mode.value, float(scale),
-                                                    float(hstu_norm), pos_bias, ts_bias, ts_cache, ts_q)
+                                                    float(hstu_norm), pos_bias, ts_bias, ts_cache, ts_q,
+                                                    time_bucket.value)

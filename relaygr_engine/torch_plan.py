@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._host import to_device
-from .config import AttentionMode
+from .config import AttentionMode, TimeBucket
 from .ops import time_buckets
 
 __all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "compiled_core",
@@ -74,14 +74,14 @@ class TorchPlan:
     t_k: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict)
 
-    def bias_index(self, pos_size: int, ts_size: int) -> torch.Tensor:
+    def bias_index(self, pos_size: int, ts_size: int, time_bucket: TimeBucket = TimeBucket.LOG2) -> torch.Tensor:
         """``[n, B, 1, M, K]`` (``[B, 1, M, K]`` for ``n = 1``) indices into ``cat(pos table [pos_size], time table [ts_size], mask_values)``.
 
         One row per table in use (``pos_size``/``ts_size`` 0: not used; none used: one row that only masks): the
-        clamped position distance, the time bucket (offset by ``pos_size``), and ``-BIG`` wherever a key is hidden,
+        clamped position distance, the ``time_bucket`` bucket (offset by ``pos_size``), and ``-BIG`` wherever a key is hidden,
         so that ``table[index].sum(0)`` is the whole additive bias and mask of a layer in one gather.
         """
-        key = (pos_size, ts_size)
+        key = (pos_size, ts_size, time_bucket)
         idx = self._cache.get(key)
         if idx is not None:
             return idx
@@ -89,7 +89,7 @@ class TorchPlan:
         if pos_size:
             rows.append(self.dist.clamp(0, pos_size - 1))
         if ts_size:
-            rows.append(time_buckets(self.t_q - self.t_k, ts_size) + pos_size)
+            rows.append(time_buckets(self.t_q - self.t_k, ts_size, time_bucket) + pos_size)
         zero = pos_size + ts_size  # index of mask_values[0]
         if not rows:
             rows.append(torch.full_like(self.dist, zero))
@@ -168,9 +168,11 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
 
 
 def planned_attention(plan: TorchPlan, q, k, v, flat_cache, mode: AttentionMode, scale: float, hstu_norm: float,
-                      pos_bias=None, ts_bias=None, compiled: bool = False) -> torch.Tensor:
+                      pos_bias=None, ts_bias=None, time_bucket: TimeBucket = TimeBucket.LOG2,
+                      compiled: bool = False) -> torch.Tensor:
     """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``flat_cache [num_pages * 2 * page_size, H, D]``
-    (a layer's ``[num_pages, 2, page_size, H, D]`` cache viewed flat).
+    (a layer's ``[num_pages, 2, page_size, H, D]`` cache viewed flat); ``time_bucket`` buckets ``ts_bias``
+    (:func:`relaygr_engine.ops.time_buckets`).
 
     ``compiled`` runs the tensor work through ``torch.compile`` (dynamic shapes; see :func:`compiled_core`).
     Returns ``[R, H, D]`` in ``q``'s dtype (computed in it; fp32 rows give fp32 accumulation).
@@ -181,7 +183,8 @@ def planned_attention(plan: TorchPlan, q, k, v, flat_cache, mode: AttentionMode,
         return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
                     mask=plan.visible)
     tables = [t for t in (pos_bias, ts_bias) if t is not None]
-    idx = plan.bias_index(0 if pos_bias is None else pos_bias.numel(), 0 if ts_bias is None else ts_bias.numel())
+    idx = plan.bias_index(0 if pos_bias is None else pos_bias.numel(), 0 if ts_bias is None else ts_bias.numel(),
+                          time_bucket)
     return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
                 bias_table=torch.cat([*tables, plan.mask_values]), bias_index=idx, hstu_norm=hstu_norm)
 

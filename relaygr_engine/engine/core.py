@@ -60,6 +60,18 @@ def _cache_shape(layers) -> tuple[int, int]:
     return H, D
 
 
+def _check_prefix_stable(model: nn.Module, layers) -> None:
+    """ValueError unless every layer is prefix-stable and the model declares no ``prefix_unstable_features``."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = [f"{names.get(id(m), '?')}: hstu_norm='batch' (a per-batch normaliser)" for m in layers
+             if not getattr(m, "prefix_stable", True)]
+    found += [str(f) for f in getattr(model, "prefix_unstable_features", ())]
+    if found:
+        raise ValueError("model must be prefix-stable (a cached row's output may not depend on rows computed after "
+                         f"it) to be served over cached prefixes; {type(model).__name__} has: {'; '.join(found)}. "
+                         "Serve it without a RelayEngine, or replace these features (see docs/hstu_variants.md)")
+
+
 class RelayEngine:
     """Relay-race inference for one ranker over a paged prefix-KV cache.
 
@@ -70,6 +82,9 @@ class RelayEngine:
         ``model(batch) -> scores [number of candidate rows, num_tasks]`` (see :mod:`relaygr_engine.engine`), on the
         cache's device. A model with a ``check_inputs(history, candidates, request_time)`` method (like
         :class:`~relaygr_engine.models.GRRanker`) has it called on every request before any state changes.
+        A model whose outputs are not prefix-stable is refused with ``ValueError``: a layer with
+        ``hstu_norm="batch"``, or a model listing features in a ``prefix_unstable_features`` attribute (e.g.
+        positions counted from the end, query-time-relative features, a bidirectional contextual block).
     cache_config : CacheConfig, optional
         Where and how the cache lives (default ``CacheConfig()``: CPU, fp32, 4096 pages of 16 tokens).
     trigger : object, optional
@@ -111,6 +126,7 @@ class RelayEngine:
             raise ValueError(f"compile_attention must be a bool, got {compile_attention!r}")
         if model_version is not None and not (isinstance(model_version, str) and model_version):
             raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
+        _check_prefix_stable(model, layers)
         H, D = _cache_shape(layers)
         self.model = model
         self.layers = layers

@@ -58,7 +58,7 @@ class GRRanker(nn.Module):
         self.pos_emb = nn.Embedding(config.max_seq_len + 1, d)
         self.candidate_emb = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(make_layer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(d)
+        self.final_norm = nn.LayerNorm(d, eps=config.norm_eps)
         self.task_heads = nn.Linear(d, config.num_tasks)
         self._identity = WeightsIdentity(self, repr(config).encode())
 
@@ -237,7 +237,7 @@ class GRRanker(nn.Module):
         batch = RelayBatch.full(history, candidates, request_time)
         layers = find_layers(self)
         dev, cfg = self.device, self.config
-        empty = torch.empty((0, 2, 1, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev)
+        empty = torch.empty((0, 2, 1, cfg.num_heads, max(cfg.head_dim, cfg.value_dim)), dtype=self.dtype, device=dev)
         i32 = (lambda *v: torch.tensor(v, dtype=torch.int32, device=dev))
         indptr, indices, last = i32(0, 0), i32(), i32(0)
         be = parse_choice(AttentionBackend, backend, "backend")
