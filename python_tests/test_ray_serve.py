@@ -281,11 +281,14 @@ def test_client_reroutes_a_ranking_whose_replica_died():
 def test_cli_rejects_bad_arguments_before_starting_ray(capsys):
     from relaygr_engine.serving.cli import main
 
-    assert main(["--replicas", "0"]) == 2
-    assert main(["--model", '{"num_layerz": 2}']) == 2
-    assert "unknown fields" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--device", "tpu"])
+    for argv, says in ((["--replicas", "0"], "argument --replicas: expected an integer >= 1, got 0"),
+                       (["--model", '{"num_layerz": 2}'], "unknown fields"),
+                       (["--device", "tpu"], "argument --device: invalid choice"),
+                       (["--address", "auto", "--metrics-port", "9000"], "--metrics-port sets the port")):
+        with pytest.raises(SystemExit) as ex:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert ex.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Serve app

@@ -17,7 +17,7 @@ import os
 from typing import NoReturn, Optional, Sequence
 
 __all__ = ["ArgumentParser", "HelpFormatter", "Number", "COUNT", "POSITIVE_INT", "NON_NEGATIVE", "POSITIVE",
-           "existing_file", "json_object", "device", "ChoiceList", "require_modules"]
+           "NumberList", "POSITIVE_INTS", "existing_file", "json_object", "device", "ChoiceList", "require_modules"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -71,6 +71,28 @@ COUNT = Number(int, 0)
 POSITIVE_INT = Number(int, 1)
 NON_NEGATIVE = Number(float, 0.0)
 POSITIVE = Number(float, 0.0, low_open=True)
+
+
+class NumberList:
+    """An argparse type: comma-separated values, each checked by a :class:`Number` (at least one value)."""
+
+    def __init__(self, item: Number) -> None:
+        self.item = item
+        self.__name__ = f"comma-separated list of {item.expected}"
+
+    def __call__(self, text: str) -> list:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            values = [self.item(t) for t in parts]
+        except argparse.ArgumentTypeError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, each {self.item.expected}, "
+                                             f"got {text!r}")
+        return values
+
+
+POSITIVE_INTS = NumberList(POSITIVE_INT)
 
 
 def existing_file(text: str) -> str:

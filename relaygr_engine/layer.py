@@ -47,9 +47,9 @@ class PrefixAttention(nn.Module):
     value_dim : int, optional
         Width ``Dv`` of ``v`` and of the output (default ``head_dim``). The cache stores ``max(D, Dv)`` per head.
 
-    Call
-    ----
-    ``o = attn(q, k, v, pos_bias=None, ts_bias=None)`` with ``q, k [R, H, D]``, ``v [R, H, Dv]`` (the rows of the
+    Notes
+    -----
+    Called as ``o = attn(q, k, v, pos_bias=None, ts_bias=None)`` with ``q, k [R, H, D]``, ``v [R, H, Dv]`` (the rows of the
     forward's :class:`~relaygr_engine.batch.RelayBatch`); returns ``o [R, H, Dv]``. hstu only: ``pos_bias [P]`` is
     a table indexed by position distance ``pos_q - pos_k`` (clamped to ``P - 1``), ``ts_bias [NB]`` one indexed by
     the time bucket of ``t_q - t_k`` (:func:`relaygr_engine.ops.time_buckets`, applied when the batch has
