@@ -3,9 +3,7 @@ HTTP from Ray's metrics export port for a Ray Serve replica."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +13,7 @@ import torch
 
 import relaygr_engine as rg
 from relaygr_engine.serving import metrics as m
+from ray_local import free_port, local_ray
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 HAS_PROM = importlib.util.find_spec("prometheus_client") is not None
@@ -75,31 +74,17 @@ def test_a_process_without_ray_reads_the_engine_metrics_through_prometheus_clien
     assert samples(generate_latest(registry).decode(), "relaygr_engine_rank_requests_total") == [({}, 6.0)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.ray
 @pytest.mark.skipif(not (HAS_RAY and HAS_PROM), reason="ray[serve] is not installed (pip install "
                                                          "'relaygr-engine[ray]')")
 def test_a_serve_replica_exports_its_metrics_on_rays_metrics_port():
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
-
     from relaygr_engine.serving.client import RelayClient
     from relaygr_engine.serving.ray_serve import DEPLOYMENT_NAME, ReplicaSpec, run
 
-    metrics_port = _free_port()
+    metrics_port = free_port()
     spec = ReplicaSpec(model=CFG, seed=0, cache=rg.CacheConfig(page_size=16, num_pages=64, lease_ttl_s=600.0))
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, object_store_memory=80 * 2 ** 20, _metrics_export_port=metrics_port)
-        client = RelayClient(run(spec, num_replicas=1, num_cpus=0.5, port=_free_port(), app_name="relaygr_metrics",
+    with local_ray(_metrics_export_port=metrics_port):
+        client = RelayClient(run(spec, num_replicas=1, num_cpus=0.5, port=free_port(), app_name="relaygr_metrics",
                                  route_prefix=None))
         cands = torch.arange(4)
         for user in range(2):
@@ -116,21 +101,11 @@ def test_a_serve_replica_exports_its_metrics_on_rays_metrics_port():
                 break
             assert time.monotonic() < end, f"no relaygr metrics at {url} after 120 s"
             time.sleep(2)
-        labels, value = ranks[0]
-        assert value == 2.0 and labels["deployment"] == DEPLOYMENT_NAME and labels["application"] == "relaygr_metrics"
-        assert samples(text, "ray_relaygr_engine_hbm_hits_total")[0][1] == 2.0
-        hist = samples(text, "ray_relaygr_rank_latency_ms_count")
-        assert hist and hist[0][1] == 2.0
-        prefill = {s[0]["outcome"]: s[1] for s in samples(text, "ray_relaygr_prefill_requests_total")}
-        assert prefill == {"admitted": 2.0}
-        assert re.search(r"^# TYPE ray_relaygr_rank_latency_ms histogram$", text, re.M)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    labels, value = ranks[0]
+    assert value == 2.0 and labels["deployment"] == DEPLOYMENT_NAME and labels["application"] == "relaygr_metrics"
+    assert samples(text, "ray_relaygr_engine_hbm_hits_total")[0][1] == 2.0
+    hist = samples(text, "ray_relaygr_rank_latency_ms_count")
+    assert hist and hist[0][1] == 2.0
+    prefill = {s[0]["outcome"]: s[1] for s in samples(text, "ray_relaygr_prefill_requests_total")}
+    assert prefill == {"admitted": 2.0}
+    assert re.search(r"^# TYPE ray_relaygr_rank_latency_ms histogram$", text, re.M)
