@@ -48,6 +48,7 @@ def short_csv(tmp_path):
     (["demo", "--modes", "baseline"], "--modes", "needs a relay mode"),
     (["demo", "--timer", "cpu", "--threads", "2"], "--timer cpu", "--threads 2"),
     (["demo", "--candidates", "100", "--num-items", "50"], "--candidates", "--num-items (50)"),
+    (["demo", "--max-len-hi", "64"], "--len-step (128)", "--max-len-hi (64)"),
     (["demo", "--bogus"], "--bogus", "unrecognized arguments"),
     (["bench", "nonsense"], "NAME", "got 'nonsense'"),
     (["bench"], "NAME", "missing"),

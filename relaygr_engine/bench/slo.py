@@ -215,6 +215,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
                      f"--device {args.device} --threads {args.threads}")
     if args.candidates > args.num_items:
         parser.error(f"--candidates ({args.candidates}) must be <= --num-items ({args.num_items})")
+    if not args.no_max_len and args.len_step > args.max_len_hi:
+        parser.error(f"--len-step ({args.len_step}) must be <= --max-len-hi ({args.max_len_hi}), or pass "
+                     "--no-max-len")
     if args.data and args.profile:
         parser.error("--data and --profile both name a workload; give one")
     args.modes = [Mode.BASELINE.value] + [m for m in args.modes if m != Mode.BASELINE.value]
