@@ -282,6 +282,7 @@ def test_cli_rejects_bad_arguments_before_starting_ray(capsys):
 
     for argv, says in ((["--replicas", "0"], "argument --replicas: expected an integer >= 1, got 0"),
                        (["--model", '{"num_layerz": 2}'], "unknown fields"),
+                       (["--load-factor", "0.5"], "argument --load-factor: expected a number >= 1, got 0.5"),
                        (["--device", "tpu"], "argument --device: invalid choice"),
                        (["--address", "auto", "--metrics-port", "9000"], "--metrics-port sets the port")):
         with pytest.raises(SystemExit) as ex:

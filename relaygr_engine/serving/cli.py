@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Optional
 
-from ..cli_args import NON_NEGATIVE, POSITIVE_INT, ArgumentParser, json_object, require_modules
+from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, Number, json_object,
+                        require_modules)
 
 _DEVICES = ("cpu", "cuda")
 
@@ -44,22 +45,22 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", choices=_DEVICES, help="cpu (default) or cuda (one GPU per replica)")
     e.add_argument("--model", type=json_object, default={},
                    help="GRModelConfig fields as JSON or a JSON file (default: GRModelConfig())")
-    e.add_argument("--seed", type=int, default=0, help="build_ranker seed when no --state-dict is given (0)")
+    e.add_argument("--seed", type=COUNT, default=0, help="build_ranker seed when no --state-dict is given (0)")
     e.add_argument("--state-dict", default=None, help="torch.save-d state_dict to load (a path every node reads)")
-    e.add_argument("--num-pages", type=int, default=4096, help="cache pages per replica (4096)")
-    e.add_argument("--page-size", type=int, default=16, help="tokens per page (16)")
+    e.add_argument("--num-pages", type=POSITIVE_INT, default=4096, help="cache pages per replica (4096)")
+    e.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per page (16)")
     e.add_argument("--max-pinned-fraction", type=float, default=0.5, help="share of pages leases may pin (0.5)")
-    e.add_argument("--lease-ttl-s", type=float, default=1.0, help="pre-infer lease: the relay window in s (1.0)")
+    e.add_argument("--lease-ttl-s", type=POSITIVE, default=1.0, help="pre-infer lease: the relay window in s (1.0)")
     e.add_argument("--trigger", type=json_object, default=None,
                    help="TriggerConfig fields as JSON or a JSON file (default: no trigger, pre-infer what fits)")
     e.add_argument("--latency-profile", default=None, help="the trigger's profile (default: the shipped one)")
-    e.add_argument("--max-pending-prefills", type=int, default=None,
+    e.add_argument("--max-pending-prefills", type=POSITIVE_INT, default=None,
                    help="pre-infers a replica holds at once; more are rejected and forwarded (default: no bound)")
-    e.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (1)")
+    e.add_argument("--torch-threads", type=POSITIVE_INT, default=1, help="torch threads per replica (1)")
     r = p.add_argument_group("routing")
-    r.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor, >= 1 (1.25)")
-    r.add_argument("--stats-period-s", type=float, default=0.5, help="replica stats poll period (0.5)")
-    r.add_argument("--max-ongoing-requests", type=int, default=32, help="requests a replica holds at once (32)")
+    r.add_argument("--load-factor", type=Number(float, 1.0), default=1.25, help="bounded-load factor, >= 1 (1.25)")
+    r.add_argument("--stats-period-s", type=POSITIVE, default=0.5, help="replica stats poll period (0.5)")
+    r.add_argument("--max-ongoing-requests", type=POSITIVE_INT, default=32, help="requests a replica holds at once (32)")
     return p
 
 
