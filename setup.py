@@ -112,13 +112,15 @@ class CMakeBuild(build_ext):
 # which read the source tree, still work), plus the top-level kernels/ installed as relaygr_engine.kernels.
 PACKAGES = sorted(set(find_packages(include=["relaygr_engine", "relaygr_engine.*"])) | {"relaygr_engine.kernels"})
 assert {"relaygr_engine", "relaygr_engine.models", "relaygr_engine.policy", "relaygr_engine.serving",
-        "relaygr_engine.bench", "relaygr_engine.kernels"} <= set(PACKAGES), PACKAGES
+        "relaygr_engine.bench", "relaygr_engine.kernels", "relaygr_engine.data",
+        "relaygr_engine.workload_data"} <= set(PACKAGES), PACKAGES
 
 setup(
     packages=PACKAGES,
     package_dir={"relaygr_engine.kernels": "kernels"},
-    # Data read with importlib.resources: relaygr_engine.data/*.json, relaygr_engine/workload_data/*.
-    package_data={"relaygr_engine": ["workload_data/*"], "relaygr_engine.data": ["*.json"]},
+    # Data read with importlib.resources, and the PEP 561 marker of the type hints.
+    package_data={"relaygr_engine": ["py.typed"], "relaygr_engine.data": ["*.json"],
+                  "relaygr_engine.workload_data": ["*.json", "*.md"]},
     ext_modules=[CMakeExtension("relaygr_engine._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from relaygr_engine import cli
 from relaygr_engine._ext import EXTENSION_LOADED
@@ -28,9 +29,11 @@ def test_info(capsys):
 def test_usage_and_unknown_commands(capsys):
     assert cli.main([]) == 0
     assert "relaygr bench NAME" in capsys.readouterr().out
-    assert cli.main(["bogus"]) == 2
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["bogus"])
     assert "unknown command" in capsys.readouterr().err
-    assert cli.main(["bench", "nonsense"]) == 2
+    with pytest.raises(SystemExit, match="2"):
+        cli.main(["bench", "nonsense"])
     err = capsys.readouterr().err
     assert "pool" in err and "rank" in err and "tiers" in err
 

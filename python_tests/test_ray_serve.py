@@ -6,8 +6,6 @@ import asyncio
 import importlib.util
 import itertools
 import json
-import os
-import socket
 import threading
 import time
 import urllib.error
@@ -22,6 +20,7 @@ from relaygr_engine.policy.affinity import AffinityRouter, ForwardResult, rank_r
 from relaygr_engine.serving import wire
 from relaygr_engine.serving.ray_serve import RelayReplica, ReplicaSpec
 from relaygr_engine.serving.route_key import RouteKey, route_order
+from ray_local import free_port, local_ray
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 needs_ray = pytest.mark.skipif(not HAS_RAY, reason="ray[serve] is not installed (pip install 'relaygr-engine[ray]')")
@@ -281,57 +280,36 @@ def test_client_reroutes_a_ranking_whose_replica_died():
 def test_cli_rejects_bad_arguments_before_starting_ray(capsys):
     from relaygr_engine.serving.cli import main
 
-    assert main(["--replicas", "0"]) == 2
-    assert main(["--model", '{"num_layerz": 2}']) == 2
-    assert "unknown fields" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--device", "tpu"])
+    for argv, says in ((["--replicas", "0"], "argument --replicas: expected an integer >= 1, got 0"),
+                       (["--model", '{"num_layerz": 2}'], "unknown fields"),
+                       (["--load-factor", "0.5"], "argument --load-factor: expected a number >= 1, got 0.5"),
+                       (["--device", "tpu"], "argument --device: invalid choice"),
+                       (["--address", "auto", "--metrics-port", "9000"], "--metrics-port sets the port")):
+        with pytest.raises(SystemExit) as ex:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert ex.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Serve app
 NUM_USERS = 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app():
     """A local Ray instance (2 CPUs, loopback) with the app on 2 replicas; always shut down."""
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
-           "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
-
     from relaygr_engine.serving.client import RelayClient
     from relaygr_engine.serving.ray_serve import run
 
-    port = _free_port()
+    port = free_port()
     spec = ReplicaSpec(model=CFG, seed=SEED, torch_threads=1,
                        cache=rg.CacheConfig(page_size=16, num_pages=256, max_pinned_fraction=0.5,
                                             lease_ttl_s=600.0))
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, object_store_memory=80 * 2 ** 20)
+    with local_ray(env={"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}) as ray:
         handle = run(spec, num_replicas=2, num_cpus=0.5, host="127.0.0.1", port=port, stats_period_s=0.2,
                      app_name="relaygr_test", route_prefix="/relay")
         yield {"client": RelayClient(handle, forward_deadline_s=30.0), "port": port, "ray": ray,
                "model": rg.build_ranker(CFG, seed=SEED)}
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _exact(model, h, c, scores) -> float:

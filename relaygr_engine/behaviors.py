@@ -35,6 +35,8 @@ class Behaviors:
         Contextual user-feature tokens placed before the behaviors; required exactly when the model has
         ``num_context_tokens > 0``.
 
+    Notes
+    -----
     Structure (1-D, int64, equal lengths, one device) is checked here; id ranges and lengths against a model are
     checked by :meth:`GRRanker.check_inputs`.
 

@@ -1,18 +1,24 @@
-"""The ``relaygr`` command line.
-
-``relaygr info``                  devices, extension status, versions
-``relaygr bench <name> [...]``    a benchmark from ``relaygr_engine.bench.<name>`` (pool, rank, kernels, ptxas, tiers,
-                                  slo, ray)
-``relaygr calibrate [...]``       measure the latency profile the trigger uses
-``relaygr demo [...]``            the main job: relay-race vs full inference under a P99 SLO on a real-log workload
-``relaygr serve [...]``           Ray Serve replicas with relay engines
-"""
+"""The ``relaygr`` command line: :func:`main` dispatches to the command modules (:data:`HELP` lists them)."""
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
+
+HELP = """\
+relaygr: relay-race inference for generative-recommendation rankers
+
+usage: relaygr COMMAND [options]
+
+commands:
+  info                devices, extension status, versions
+  bench NAME [...]    a benchmark: {benchmarks}
+  calibrate [...]     measure the latency profile the trigger uses
+  demo [...]          the main job: relay-race vs full inference under a P99 SLO on a real-log workload
+  serve [...]         Ray Serve replicas with relay engines
+
+relaygr COMMAND --help (relaygr bench NAME --help) lists a command's options."""
 
 # command word -> module whose main(argv) runs it
 _COMMANDS = {
@@ -59,28 +65,36 @@ def info() -> int:
     return 0
 
 
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """A one-line usage error on stderr; exit status 2 (the commands' own parsers end the same way)."""
+    from .cli_args import ArgumentParser
+
+    ArgumentParser(prog=prog).error(message)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: relaygr {info | bench NAME | calibrate | demo | serve} [options]\n"
-             "       relaygr bench NAME --help   for a benchmark's options")
+    names = _benchmarks()
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\n" + usage)
+        print(HELP.format(benchmarks=", ".join(names)))
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "info":
         return info()
     if cmd == "bench":
-        names = _benchmarks()
-        if not rest or rest[0] not in names:
-            got = rest[0] if rest else "nothing"
-            print(f"relaygr bench: NAME must be one of {', '.join(names)}, got {got}", file=sys.stderr)
-            return 2
+        if rest and rest[0] in ("-h", "--help"):
+            print(f"usage: relaygr bench NAME [options]\n\nNAME: {', '.join(names)}\n\n"
+                  "relaygr bench NAME --help lists a benchmark's options.")
+            return 0
+        if not rest:
+            _usage_error("relaygr bench", f"NAME is missing: one of {', '.join(names)}")
+        if rest[0] not in names:
+            _usage_error("relaygr bench", f"NAME must be one of {', '.join(names)}, got {rest[0]!r}")
         module = importlib.import_module(f"relaygr_engine.bench.{rest[0]}")
         return int(module.main(rest[1:]) or 0)
     if cmd in _COMMANDS:
         return int(importlib.import_module(_COMMANDS[cmd]).main(rest) or 0)
-    print(f"relaygr: unknown command {cmd!r}; valid: info, bench, {', '.join(_COMMANDS)}\n{usage}", file=sys.stderr)
-    return 2
+    _usage_error("relaygr", f"unknown command {cmd!r}; valid: info, bench, {', '.join(_COMMANDS)}")
 
 
 if __name__ == "__main__":

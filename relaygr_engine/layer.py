@@ -52,9 +52,9 @@ class PrefixAttention(nn.Module):
         hstu: how ``ts_bias`` buckets a time difference (:class:`~relaygr_engine.config.TimeBucket`; default
         ``"log2"``).
 
-    Call
-    ----
-    ``o = attn(q, k, v, pos_bias=None, ts_bias=None)`` with ``q, k [R, H, D]``, ``v [R, H, Dv]`` (the rows of the
+    Notes
+    -----
+    Called as ``o = attn(q, k, v, pos_bias=None, ts_bias=None)`` with ``q, k [R, H, D]``, ``v [R, H, Dv]`` (the rows of the
     forward's :class:`~relaygr_engine.batch.RelayBatch`); returns ``o [R, H, Dv]``. hstu only: ``pos_bias [P]`` is
     a table indexed by position distance ``pos_q - pos_k`` (clamped to ``P - 1``), ``ts_bias [NB]`` one indexed by
     the ``time_bucket`` of ``t_q - t_k`` (:func:`relaygr_engine.ops.time_buckets`, applied when the batch has

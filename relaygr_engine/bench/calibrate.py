@@ -23,21 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
+from ..cli_args import ArgumentParser, POSITIVE_INTS
 from ..policy.latency import LatencyModel, calibrate
 from .common import emit_result, environment
 
 __all__ = ["main", "measure"]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relaygr calibrate", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="relaygr calibrate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     m = p.add_argument_group("model (defaults: the GRModelConfig example of the README)")
@@ -51,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--max-seq-len", type=int, default=1024)
     m.add_argument("--num-tasks", type=int, default=2)
     g = p.add_argument_group("grid and timing")
-    g.add_argument("--lengths", type=_ints, default=None,
+    g.add_argument("--lengths", type=POSITIVE_INTS, default=None,
                    help="history lengths, comma-separated (default: 1/32 .. 1 of --max-seq-len, 7 values)")
-    g.add_argument("--candidates", type=_ints, default=[16, 64, 128, 256], help="candidate counts (16,64,128,256)")
+    g.add_argument("--candidates", type=POSITIVE_INTS, default=[16, 64, 128, 256], help="candidate counts (16,64,128,256)")
     g.add_argument("--repeats", type=int, default=5, help="timed calls per point (5)")
     g.add_argument("--warmup", type=int, default=1, help="untimed calls per point first (1)")
     g.add_argument("--quantile", type=float, default=0.9, help="quantile of the repeats a point records (0.9)")

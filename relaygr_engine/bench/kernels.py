@@ -19,7 +19,6 @@ shapes: a smoke run of the whole path whose timings say nothing about a device.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -31,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..cli_args import ArgumentParser
 from .common import percentile
 
 __all__ = ["main", "Shape", "GPU_SHAPES", "CPU_SHAPES"]
@@ -286,7 +286,7 @@ def _fmt(x, spec=".2f") -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench kernels", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="relaygr bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto (cuda if present, else cpu interpreter) | cpu | cuda | npu")
     ap.add_argument("--modes", default="softmax,hstu", help="comma-separated: softmax,hstu")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per timing (default 3 on devices, 0 on cpu)")

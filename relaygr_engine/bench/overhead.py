@@ -18,7 +18,6 @@ itself, on each configuration's first call, is not timed).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 from typing import Callable, Optional
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..cli_args import ArgumentParser
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
@@ -122,7 +122,7 @@ def _time(fn, device: torch.device, repeats: int, timer=time.perf_counter) -> fl
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench overhead", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="relaygr bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: op counts, L=16 and C=1 only, 5 repeats")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     ap.add_argument("--repeats", type=int, default=50)

@@ -5,12 +5,12 @@ the pool is full), ``unpin``, ``lookup``, ``pin`` and ``unpin`` (ranking). Ops a
 """
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Optional
 
 import numpy as np
 
+from ..cli_args import ArgumentParser
 from .._ext import pool_implementations
 from .common import emit_result, environment, percentile
 
@@ -52,7 +52,7 @@ def run_cycles(pool_cls, cycles: int, pages_per_prefix: int, page_size: int, use
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench pool", description=__doc__)
+    ap = ArgumentParser(prog="relaygr bench pool", description=__doc__)
     ap.add_argument("--cycles", type=int, default=20000)
     ap.add_argument("--pages", type=int, default=64, help="pages per prefix (default 64)")
     ap.add_argument("--page-size", type=int, default=16)

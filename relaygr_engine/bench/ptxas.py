@@ -11,7 +11,6 @@ Runs on any machine whose Triton has the NVIDIA backend (the PyPI wheel does); n
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -23,6 +22,8 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+from ..cli_args import ArgumentParser, POSITIVE_INTS
 
 __all__ = ["Build", "compile_attention", "compile_kernel", "ptxas_report", "main"]
 
@@ -135,25 +136,15 @@ def build(mode, head_dim, block_m, block_n, num_warps, num_stages, persistent, *
                  smem <= limit, time.perf_counter() - t0)
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"relaygr bench ptxas: --{name} must be comma-separated integers, got {text!r}") from None
-    if not values:
-        raise SystemExit(f"relaygr bench ptxas: --{name} must name at least one value")
-    return values
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench ptxas", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="relaygr bench ptxas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90 = sm_90, H100/H200)")
     ap.add_argument("--modes", default="softmax,hstu")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--block-m", default="64,128")
-    ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--head-dims", type=POSITIVE_INTS, default="64,128")
+    ap.add_argument("--block-m", type=POSITIVE_INTS, default="64,128")
+    ap.add_argument("--block-n", type=POSITIVE_INTS, default="32,64,128")
+    ap.add_argument("--warps", type=POSITIVE_INTS, default="4,8")
+    ap.add_argument("--stages", type=POSITIVE_INTS, default="2,3")
     ap.add_argument("--persistent", choices=("no", "yes", "both"), default="no",
                     help="build the one-tile-per-program kernel, the persistent one, or both")
     ap.add_argument("--page-size", type=int, default=64)
@@ -176,8 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import triton
 
     pers = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.persistent]
-    dims, bms, bns = _ints(opts.head_dims, "head-dims"), _ints(opts.block_m, "block-m"), _ints(opts.block_n, "block-n")
-    warps, stages = _ints(opts.warps, "warps"), _ints(opts.stages, "stages")
+    dims, bms, bns, warps, stages = opts.head_dims, opts.block_m, opts.block_n, opts.warps, opts.stages
     pow2 = lambda x, lo: x >= lo and not x & (x - 1)  # noqa: E731
     for name, values, ok, want in (("head-dims", dims, lambda d: 1 <= d <= 256, "in [1, 256]"),
                                    ("block-m", bms, lambda b: pow2(b, 16), "powers of two >= 16"),

@@ -20,12 +20,12 @@ Model: HSTU (or ``--attention softmax``), hidden 64, 2 heads x 32, ``--layers`` 
 """
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Optional
 
 import torch
 
+from ..cli_args import ArgumentParser, POSITIVE_INTS
 from ..config import CacheConfig
 from ..engine import RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
@@ -42,17 +42,6 @@ def _history(L: int, num_items: int, seed: int) -> Behaviors:
                      timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    """argparse type: a comma-separated list of positive integers."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
-
 def _time(fn, device: torch.device):
     """(milliseconds, result) of one call of ``fn``."""
     if device.type == "cuda":
@@ -65,7 +54,7 @@ def _time(fn, device: torch.device):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench rank", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="relaygr bench rank", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: L in {256, 1024}, C = 64, 1 repeat")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     ap.add_argument("--attention", default="hstu", choices=["hstu", "softmax"])
@@ -75,9 +64,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--lengths", type=_sizes, default=None, metavar="L,L,...",
+    ap.add_argument("--lengths", type=POSITIVE_INTS, default=None, metavar="L,L,...",
                     help=f"history lengths (default {','.join(map(str, LENGTHS))})")
-    ap.add_argument("--candidates", type=_sizes, default=None, metavar="C,C,...",
+    ap.add_argument("--candidates", type=POSITIVE_INTS, default=None, metavar="C,C,...",
                     help=f"candidate counts (default {','.join(map(str, CANDIDATES))})")
     args = ap.parse_args(argv)
     if args.threads:

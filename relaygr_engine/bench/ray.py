@@ -25,23 +25,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..cli_args import ArgumentParser, POSITIVE_INTS
 from .common import percentile
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return out
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relaygr bench ray", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="relaygr bench ray", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=_ints, default=[1, 2], help="replica counts to compare (1,2)")
+    p.add_argument("--replicas", type=POSITIVE_INTS, default=[1, 2], help="replica counts to compare (1,2)")
     p.add_argument("--requests", type=int, default=200, help="counted requests per replica count (200)")
     p.add_argument("--concurrency", type=int, default=4, help="client threads (4)")
     p.add_argument("--users", type=int, default=64, help="distinct users (64)")

@@ -237,8 +237,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(out)
 
 
-def render_markdown(report: dict) -> str:
-    """The Markdown report of a :mod:`relaygr_engine.bench.slo` run (``report`` is its JSON dict)."""
+def render_markdown(report: dict, plots: bool = True) -> str:
+    """The Markdown report of a :mod:`relaygr_engine.bench.slo` run (``report`` is its JSON dict); ``plots``:
+    whether it links the PNG plots written beside it."""
     s = report["setup"]
     modes = report["modes"]
     lines = [f"# {report.get('title', 'Relay-race vs full inference under a P99 SLO')}", ""]
@@ -265,7 +266,7 @@ def render_markdown(report: dict) -> str:
         lines.append("- **served stream**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in wl.items()
                                                      if not isinstance(v, (dict, list))))
     lines += ["", "## Method", "", report.get("method", ""), ""]
-    lines += ["## Latency vs QPS", "", "![latency vs QPS](latency_vs_qps.png)", ""]
+    lines += ["## Latency vs QPS", ""] + (["![latency vs QPS](latency_vs_qps.png)", ""] if plots else [])
     for m, r in modes.items():
         lines += [f"### {m}", ""]
         rows = [[p["qps"], p["p50_ms"], _p99(p), p["mean_ms"], p.get("utilization"), p.get("work_ms_per_request"),
@@ -277,7 +278,7 @@ def render_markdown(report: dict) -> str:
         st = r["slo_throughput"]
         lines += [f"SLO-compliant throughput: **{_fmt(st['best'])} QPS** ({st['status']}; first failing QPS "
                   f"{_fmt(st['first_fail'])}).", ""]
-    lines += ["## Longest history within the SLO", "", "![max history](max_len.png)", ""]
+    lines += ["## Longest history within the SLO", ""] + (["![max history](max_len.png)", ""] if plots else [])
     for m, r in modes.items():
         ml = r.get("max_len")
         if not ml:
@@ -336,9 +337,10 @@ def _pyplot():
 
 
 def plot_latency_vs_qps(modes: dict, slo_ms: float, path) -> Path:
-    """P50 (dashed) and P99 (solid) ranking latency vs QPS per mode, with the SLO line."""
+    """P50 (dashed) and P99 (solid) ranking latency vs QPS per mode, with the two reference lines: the SLO
+    (horizontal) and each mode's SLO-compliant throughput (vertical, dotted). The legend sits beside the axes."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(9.5, 4.4), dpi=120)
     for i, (m, r) in enumerate(modes.items()):
         pts = sorted(r["curve"], key=lambda p: p["qps"])
         q = [p["qps"] for p in pts]
@@ -353,14 +355,14 @@ def plot_latency_vs_qps(modes: dict, slo_ms: float, path) -> Path:
         ax.plot(q, [p["p50_ms"] for p in pts], "x--", color=color, alpha=0.6, label=f"{m} P50")
         best = r["slo_throughput"]["best"]
         if best:
-            ax.axvline(best, color=color, lw=0.8, ls=":")
-    ax.axhline(slo_ms, color="k", lw=1, ls="-.", label=f"SLO {slo_ms:g} ms")
+            ax.axvline(best, color=color, lw=1.0, ls=":", label=f"{m} SLO-compliant throughput ({best:.3g} QPS)")
+    ax.axhline(slo_ms, color="k", lw=1, ls="-.", label=f"SLO: P99 <= {slo_ms:g} ms")
     ax.set_xlabel("offered load (QPS)")
-    ax.set_ylabel("ranking latency (ms)")
+    ax.set_ylabel("ranking latency (ms, log scale)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Ranking latency vs load (dotted: SLO-compliant throughput)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.set_title("Ranking latency vs load")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
@@ -379,7 +381,9 @@ def plot_max_len(modes: dict, ref_qps: float, path) -> Path:
         tag = " (capped)" if modes[m]["max_len"]["status"] == "capped" else ""
         ax.annotate(f"{int(b.get_height())}{tag}", (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("history tokens")
+    ax.set_xlabel("mode")
+    ax.set_ylabel("longest history (tokens)")
+    ax.set_ylim(0, max(vals + [1]) * 1.15)  # room for the labels above the bars
     ax.set_title(f"Longest history with P99 <= SLO at {ref_qps:.3g} QPS")
     fig.tight_layout()
     path = Path(path)
@@ -388,26 +392,29 @@ def plot_max_len(modes: dict, ref_qps: float, path) -> Path:
     return path
 
 
-def write_report(report: dict, out_dir, json_path: Optional[str] = None) -> dict:
-    """Write ``report.json``, ``report.md``, ``latency_vs_qps.png`` and ``max_len.png`` into ``out_dir``.
+def write_report(report: dict, out_dir, json_path: Optional[str] = None, plots: bool = True) -> dict:
+    """Write ``report.json`` and ``report.md``, then (``plots``) ``latency_vs_qps.png`` and ``max_len.png``, into
+    ``out_dir``.
 
+    The JSON and Markdown are on disk before any plot is drawn, so a failing plot never loses a measurement.
     ``json_path`` also writes the JSON there. Returns the written paths by name.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "markdown": out / "report.md"}
-    paths["latency_plot"] = plot_latency_vs_qps(report["modes"], report["setup"]["slo_ms"],
-                                                out / "latency_vs_qps.png")
-    if any(r.get("max_len") for r in report["modes"].values()):
-        paths["max_len_plot"] = plot_max_len(report["modes"], report["setup"].get("ref_qps") or 0.0,
-                                             out / "max_len.png")
     text = json.dumps(_jsonable(report), indent=1)
     paths["json"].write_text(text + "\n")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(text + "\n")
         paths["json_copy"] = Path(json_path)
-    paths["markdown"].write_text(render_markdown(report))
+    paths["markdown"].write_text(render_markdown(report, plots=plots))
+    if plots:
+        paths["latency_plot"] = plot_latency_vs_qps(report["modes"], report["setup"]["slo_ms"],
+                                                    out / "latency_vs_qps.png")
+        if any(r.get("max_len") for r in report["modes"].values()):
+            paths["max_len_plot"] = plot_max_len(report["modes"], report["setup"].get("ref_qps") or 0.0,
+                                                 out / "max_len.png")
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -35,13 +35,15 @@ from typing import Optional
 
 import numpy as np
 
+from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, ChoiceList, device,
+                        existing_file, require_modules)
 from . import report as rpt
 from .common import exceed_count
 from .serving import BaselineImpl, BaselineService, Mode, RelayService, TriggerHook, cpu_timer, simulate
 from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
                        synthesize_interactions)
 
-__all__ = ["build_parser", "run", "main", "METHOD"]
+__all__ = ["build_parser", "apply_settings", "check_args", "load_checked_log", "run", "main", "METHOD"]
 
 _MAX_REQUESTS_FACTOR = 4  # the measured stream holds this many times --requests (for --min-duration-s)
 
@@ -89,45 +91,64 @@ P99 is then a lower bound, marked as such. Every number in one report comes from
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+# The settings --quick changes (the demo's defaults); an option the user gives keeps the user's value.
+FULL_SETTINGS = {"requests": 200, "min_duration_s": 4.0, "rel_tol": 0.08, "len_step": 32}
+QUICK_SETTINGS = {"requests": 100, "min_duration_s": 1.5, "rel_tol": 0.15, "len_step": 128}
+
+
+def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = None,
+                 quick: bool = False) -> argparse.ArgumentParser:
+    """The options of the SLO benchmark; ``quick=True`` makes the quick settings the defaults (``relaygr demo``),
+    with ``--thorough`` for the full ones instead of ``--quick``."""
+    ap = ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
+    default, other = (QUICK_SETTINGS, FULL_SETTINGS) if quick else (FULL_SETTINGS, QUICK_SETTINGS)
+    switch = "--thorough" if quick else "--quick"
+
+    def preset(key: str) -> str:
+        return f"(default: {default[key]:g}; {other[key]:g} with {switch})"
+
     g = ap.add_argument_group("workload")
-    g.add_argument("--data", help="interaction CSV (.csv/.csv.gz: user_id,item_id,timestamp[,action|rating]); "
-                                  "default: a synthetic log from the packaged MovieLens-fitted profile")
-    g.add_argument("--profile", help="workload profile JSON to synthesize from (default: the packaged one)")
-    g.add_argument("--requests", type=int, default=200, help="measured ranking requests per run (at least)")
-    g.add_argument("--min-duration-s", type=float, default=4.0,
+    g.add_argument("--data", type=existing_file,
+                   help="interaction CSV (.csv/.csv.gz: user_id,item_id,timestamp[,action|rating]); "
+                        "default: a synthetic log from the packaged MovieLens-fitted profile")
+    g.add_argument("--profile", type=existing_file,
+                   help="workload profile JSON to synthesize from (default: the packaged one)")
+    g.add_argument("--requests", type=POSITIVE_INT, help="measured ranking requests per run (at least) "
+                                                         + preset("requests"))
+    g.add_argument("--min-duration-s", type=NON_NEGATIVE,
                    help="a run's measured requests span at least this much virtual time (more requests at high "
-                        "QPS, up to 4 x --requests), so a short burst cannot pass an overloaded QPS")
-    g.add_argument("--warmup-requests", type=int, default=None,
+                        "QPS, up to 4 x --requests), so a short burst cannot pass an overloaded QPS "
+                        + preset("min_duration_s"))
+    g.add_argument("--warmup-requests", type=COUNT,
                    help="requests served before the measured ones in every run (the log's preceding events), "
-                        "not measured, so the caches are in their steady state (default: 2 x requests, 1 x with "
-                        "--quick; with 2 x the share of measured requests whose user has no earlier request falls "
-                        "to ~15-20%%, near the ~6-8%% it converges to)")
-    g.add_argument("--candidates", type=int, default=64, help="candidates per ranking request")
-    g.add_argument("--length-scale", type=float, default=8.0,
+                        "not measured, so the caches are in their steady state (default: 2 x --requests, 1 x with "
+                        "the quick settings; with 2 x the share of measured requests whose user has no earlier "
+                        "request falls to ~15-20%%, near the ~6-8%% it converges to)")
+    g.add_argument("--candidates", type=POSITIVE_INT, default=64, help="candidates per ranking request")
+    g.add_argument("--length-scale", type=POSITIVE, default=8.0,
                    help="history tokens per real behavior (real logs are short: MovieLens median 70)")
-    g.add_argument("--max-history", type=int, default=2048,
+    g.add_argument("--max-history", type=POSITIVE_INT, default=2048,
                    help="history cap in tokens (oldest dropped) of the throughput workload")
-    g.add_argument("--trim-tokens", type=int, default=None,
+    g.add_argument("--trim-tokens", type=POSITIVE_INT,
                    help="a history over the cap loses its oldest tokens in blocks of this many, so a user's "
                         "consecutive requests share their prefix (default: a quarter of the cap; 1: slide by one "
                         "behavior per request)")
-    g.add_argument("--suffix-tokens", type=int, default=16,
+    g.add_argument("--suffix-tokens", type=COUNT, default=16,
                    help="newest history tokens computed at ranking instead of pre-inferred")
-    g.add_argument("--pipeline-delay-ms", type=float, default=50.0, help="retrieval-to-ranking delay")
-    g.add_argument("--num-items", type=int, default=8192, help="model item vocabulary (ids remapped into it)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--pipeline-delay-ms", type=NON_NEGATIVE, default=50.0, help="retrieval-to-ranking delay")
+    g.add_argument("--num-items", type=POSITIVE_INT, default=8192,
+                   help="model item vocabulary (ids remapped into it)")
+    g.add_argument("--seed", type=COUNT, default=0)
     g = ap.add_argument_group("serving")
-    g.add_argument("--slo-ms", type=float, default=100.0, help="P99 ranking latency objective")
-    g.add_argument("--modes", default="baseline,relay",
-                   help=f"comma-separated modes from {', '.join(m.value for m in Mode)}")
-    g.add_argument("--hbm-mb", type=float, default=64.0, help="device KV cache budget (MiB)")
-    g.add_argument("--dram-mb", type=float, default=256.0, help="DRAM expander budget of mode relay (MiB)")
-    g.add_argument("--lease-ms", type=float, default=1000.0, help="pre-infer lease (relay window)")
-    g.add_argument("--chunk-tokens", type=int, default=256, help="pre-infer chunk (0: whole prefix at once)")
-    g.add_argument("--trigger-margin", type=float, default=0.1,
+    g.add_argument("--slo-ms", type=POSITIVE, default=100.0, help="P99 ranking latency objective")
+    g.add_argument("--modes", type=ChoiceList(Mode), default=f"{Mode.BASELINE.value},{Mode.RELAY.value}",
+                   metavar="MODE[,MODE...]",
+                   help=f"comma-separated modes from {', '.join(m.value for m in Mode)} (baseline is always run)")
+    g.add_argument("--hbm-mb", type=POSITIVE, default=64.0, help="device KV cache budget (MiB)")
+    g.add_argument("--dram-mb", type=NON_NEGATIVE, default=256.0, help="DRAM expander budget of mode relay (MiB)")
+    g.add_argument("--lease-ms", type=POSITIVE, default=1000.0, help="pre-infer lease (relay window)")
+    g.add_argument("--chunk-tokens", type=COUNT, default=256, help="pre-infer chunk (0: whole prefix at once)")
+    g.add_argument("--trigger-margin", type=NON_NEGATIVE, default=0.1,
                    help="pre-infer when predicted full inference > margin * SLO")
     g.add_argument("--no-trigger", action="store_true", help="pre-infer every request the cache can take")
     g.add_argument("--no-store-misses", action="store_true",
@@ -140,41 +161,88 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                    help="service-time clock of the virtual-clock worker: 'cpu' = the thread's CPU time (robust "
                         "to other processes on a shared machine; needs --device cpu --threads 1), 'wall' = "
                         "perf_counter; 'auto' = cpu where valid, else wall")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (one worker)")
+    g.add_argument("--device", type=device, default="cpu", help="torch device of the model and cache")
+    g.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch intra-op threads (one worker)")
     g = ap.add_argument_group("search")
-    g.add_argument("--qps-start", type=float, help="first QPS of the sweep (default: from the calibration)")
-    g.add_argument("--ref-qps", type=float, help="QPS of the max-length search and the per-mode details "
-                                                 "(default: half the baseline's SLO-compliant throughput)")
-    g.add_argument("--rel-tol", type=float, default=0.08, help="QPS bisection tolerance (relative)")
-    g.add_argument("--len-step", type=int, default=32, help="history length resolution of the max-length search")
-    g.add_argument("--max-len-hi", type=int, default=4096,
+    g.add_argument("--qps-start", type=POSITIVE, help="first QPS of the sweep (default: from the calibration)")
+    g.add_argument("--ref-qps", type=POSITIVE, help="QPS of the max-length search and the per-mode details "
+                                                    "(default: half the baseline's SLO-compliant throughput)")
+    g.add_argument("--rel-tol", type=POSITIVE, help="QPS bisection tolerance (relative) " + preset("rel_tol"))
+    g.add_argument("--len-step", type=POSITIVE_INT,
+                   help="history length resolution of the max-length search " + preset("len_step"))
+    g.add_argument("--max-len-hi", type=POSITIVE_INT, default=4096,
                    help="longest history the max-length search tries (the model's max_seq_len is the larger of "
                         "this and --max-history)")
-    g.add_argument("--repeats", type=int, default=3,
+    g.add_argument("--repeats", type=POSITIVE_INT, default=3,
                    help="runs of a point whose P99 lies within --noise-band of the SLO (the majority decides)")
-    g.add_argument("--noise-band", type=float, default=0.25,
+    g.add_argument("--noise-band", type=NON_NEGATIVE, default=0.25,
                    help="relative distance of P99 from the SLO within which a point is repeated")
     g.add_argument("--full-runs", action="store_true",
                    help="never stop a run early (by default a run stops once P99 > SLO is certain; its curve "
                         "point is then a lower bound)")
     g.add_argument("--no-max-len", action="store_true", help="skip the max-length search")
-    g.add_argument("--quick", action="store_true", help="fewer requests and coarser searches (a few minutes)")
+    if quick:
+        ap.set_defaults(quick=True)
+        g.add_argument("--thorough", dest="quick", action="store_false",
+                       help="the full benchmark settings instead of the quick ones (several times longer)")
+    else:
+        g.add_argument("--quick", action="store_true",
+                       help="the quick settings (a few minutes) for every option above that is not given")
     g = ap.add_argument_group("output")
     g.add_argument("--out", default="reports/slo", help="report directory")
     g.add_argument("--json", help="also write the report JSON here")
+    g.add_argument("--no-plots", action="store_true", help="write the report without its plots (no matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
 
-def _apply_quick(args) -> None:
-    if args.quick:
-        args.requests = min(args.requests, 100)
-        args.min_duration_s = min(args.min_duration_s, 1.5)
-        args.rel_tol = max(args.rel_tol, 0.15)
-        args.len_step = max(args.len_step, 128)
+def apply_settings(args) -> None:
+    """Fill the options left unset: the quick or full settings, and the warm-up (1 or 2 x --requests)."""
+    settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
+    for key, value in settings.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.warmup_requests is None:
         args.warmup_requests = (1 if args.quick else 2) * args.requests
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """The checks that involve several options or the environment, as usage errors naming the options; then the
+    optional dependencies this run needs. Called before any work."""
+    apply_settings(args)
+    if args.timer == "cpu" and not _cpu_timer_ok(args):
+        parser.error(f"--timer cpu needs --device cpu and --threads 1 (the job's compute on this thread), got "
+                     f"--device {args.device} --threads {args.threads}")
+    if args.candidates > args.num_items:
+        parser.error(f"--candidates ({args.candidates}) must be <= --num-items ({args.num_items})")
+    if not args.no_max_len and args.len_step > args.max_len_hi:
+        parser.error(f"--len-step ({args.len_step}) must be <= --max-len-hi ({args.max_len_hi}), or pass "
+                     "--no-max-len")
+    if args.data and args.profile:
+        parser.error("--data and --profile both name a workload; give one")
+    args.modes = [Mode.BASELINE.value] + [m for m in args.modes if m != Mode.BASELINE.value]
+    if len(args.modes) < 2:
+        parser.error(f"--modes needs a relay mode to compare with the baseline, got {','.join(args.modes)}")
+    if not args.no_plots:
+        require_modules(parser, ["matplotlib"], "bench", "drawing the report's plots (--no-plots skips them)")
+    if _wants_progress(args):
+        require_modules(parser, ["tqdm"], "bench", "the progress bar (--no-progress skips it)")
+
+
+def load_checked_log(parser: argparse.ArgumentParser, args) -> tuple[InteractionLog, str]:
+    """:func:`load_log`, with an unreadable ``--data`` file or a log too short for ``--requests`` and
+    ``--warmup-requests`` reported as usage errors naming those options."""
+    try:
+        log, source = load_log(args)
+    except ValueError as e:
+        parser.error(f"argument {'--data' if args.data else '--profile'}: {e}")
+    usable = log.num_eligible()
+    if usable < args.requests + args.warmup_requests:
+        where = f"--data {args.data}" if args.data else "the workload profile"
+        parser.error(f"{where} has {usable} events usable as requests (users' events after their first), but "
+                     f"--requests {args.requests} + --warmup-requests {args.warmup_requests} need "
+                     f"{args.requests + args.warmup_requests}: give smaller values")
+    return log, source
 
 
 # ----------------------------------------------------------------------------------------------- pieces
@@ -227,12 +295,15 @@ def calibrate_latency(model, num_candidates: int, max_len: int, device: str, rep
                      meta={"model": "benchmark model", "candidates": num_candidates, "baseline": impl})
 
 
+def _cpu_timer_ok(args) -> bool:
+    """Whether the thread's CPU time is a job's service time: the compute runs on this thread."""
+    return str(args.device).startswith("cpu") and args.threads == 1
+
+
 def _timer(args):
     """The service-time clock ``--timer`` names (``auto``: thread CPU time on one CPU thread, else wall)."""
-    cpu_ok = str(args.device).startswith("cpu") and max(1, args.threads) == 1
-    if args.timer == "cpu" and not cpu_ok:
-        raise ValueError(f"--timer cpu needs --device cpu and --threads 1 (the job's compute on this thread), got "
-                         f"--device {args.device} --threads {args.threads}")
+    cpu_ok = _cpu_timer_ok(args)
+    assert args.timer != "cpu" or cpu_ok, "check_args refuses --timer cpu here"
     if args.timer == "cpu" or (args.timer == "auto" and cpu_ok):
         return cpu_timer, "thread CPU time"
     return time.perf_counter, "wall time (perf_counter)"
@@ -241,8 +312,9 @@ def _timer(args):
 class _Bench:
     """Everything one benchmark run shares: model, latency model, workloads, options, progress bar."""
 
-    def __init__(self, args, log: InteractionLog, model, latency_model, progress, timer=time.perf_counter) -> None:
-        self.args, self.log, self.model, self.lat, self.progress = args, log, model, latency_model, progress
+    def __init__(self, args, log: InteractionLog, model, latency_model, console: "Console",
+                 timer=time.perf_counter) -> None:
+        self.args, self.log, self.model, self.lat, self.console = args, log, model, latency_model, console
         self.timer = timer
         self._workloads: dict = {}
 
@@ -251,8 +323,9 @@ class _Bench:
         a = self.args
         if base_length not in self._workloads:
             cap = a.max_history if base_length is None else max(a.max_history, a.max_len_hi)
+            measured = min(_MAX_REQUESTS_FACTOR * a.requests, self.log.num_eligible() - a.warmup_requests)
             cfg = WorkloadConfig(num_items=self.model.config.num_items, num_actions=self.model.config.num_actions,
-                                 num_requests=_MAX_REQUESTS_FACTOR * a.requests, warmup_requests=a.warmup_requests,
+                                 num_requests=measured, warmup_requests=a.warmup_requests,
                                  num_candidates=a.candidates, length_scale=a.length_scale,
                                  base_length=base_length, max_history=cap, suffix_tokens=a.suffix_tokens,
                                  trim_tokens=a.trim_tokens or max(1, cap // 4),
@@ -291,13 +364,12 @@ class _Bench:
         w = self.at(qps, base_length)
         svc = self.service(mode)
         svc.prepare(w.requests)
-        if self.progress is not None:
-            self.progress.set_description(f"{mode} {label or f'{qps:.3g} QPS'}")
+        self.console.start(f"{mode} {label or f'{qps:.3g} QPS'}", len(w.requests))
         n = len(w.measured)
         stop = None
         if early_stop and not self.args.full_runs:
             stop = (self.args.slo_ms / 1e3, exceed_count(n, 99))   # that many over SLO: P99 > SLO
-        res = simulate(svc, w, qps, mode=mode, timer=self.timer, progress=self.progress, stop_over=stop)
+        res = simulate(svc, w, qps, mode=mode, timer=self.timer, progress=self.console.bar, stop_over=stop)
         return summarize(res)
 
     def judge(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "") -> tuple[bool, dict]:
@@ -347,54 +419,52 @@ def _loadavg() -> Optional[float]:
         return None
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)
+def prepare(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> tuple:
+    """Parse ``argv`` and check everything a run needs before it starts: ``(args, log, source)`` for :func:`run`.
+
+    Every mistake (an option's value, a combination of options, the ``--data`` file, a missing optional
+    dependency) ends here as a one-line usage error (exit status 2)."""
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    log, source = load_checked_log(parser, args)
+    return args, log, source
 
 
-def run(args) -> dict:
-    """Run the benchmark described by parsed ``args``; return the report dict (also written to ``args.out``)."""
+def run(args, log: InteractionLog, source: str) -> dict:
+    """Run the benchmark described by ``args`` (checked by :func:`prepare`) on the interaction ``log`` (described
+    by ``source``); return the report dict, written to ``args.out``."""
     import torch
 
     from ..models import build_ranker
 
     t_start = time.perf_counter()
     load_start = _loadavg()
-    _apply_quick(args)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    valid = [m.value for m in Mode]
-    for m in modes:
-        if m not in valid:
-            raise ValueError(f"--modes entries must be among {', '.join(valid)}, got {m!r}")
-    if "baseline" not in modes:
-        modes.insert(0, "baseline")
-    relay_mode = "relay" if "relay" in modes else next((m for m in modes if m != "baseline"), None)
-    if relay_mode is None:
-        raise ValueError("--modes needs a relay mode to compare with the baseline")
-    torch.set_num_threads(max(1, args.threads))
+    modes = list(args.modes)
+    relay_mode = "relay" if "relay" in modes else next(m for m in modes if m != "baseline")
+    torch.set_num_threads(args.threads)
+    out = Console(_wants_progress(args))
 
-    log, source = load_log(args)
     num_actions = 6 if log.action_kind != "none" else 1
     model = build_ranker(_model_config(args, num_items=args.num_items, num_actions=num_actions), seed=args.seed,
                          device=args.device)
-    _say(f"workload: {source}")
+    out.say(f"workload: {source}")
     t0 = time.perf_counter()
     timer, timer_name = _timer(args)
     lat = calibrate_latency(model, args.candidates, max(args.max_history, args.max_len_hi), args.device,
                             repeats=5, impl=args.baseline, timer=timer)
     base_max = lat.max_history_len(args.slo_ms, args.candidates)
-    _say(f"service times: {timer_name}; baseline full inference: {args.baseline} "
+    out.say(f"service times: {timer_name}; baseline full inference: {args.baseline} "
          f"({'model.rank_uncached' if args.baseline == 'paged' else 'model.rank_full'})")
-    _say(f"calibrated full inference on this model in {time.perf_counter() - t0:.1f}s: "
+    out.say(f"calibrated full inference on this model in {time.perf_counter() - t0:.1f}s: "
          + ", ".join(f"{lat.predict_ms(L, args.candidates):.1f} ms @{L}" for L in (256, 1024, 2048))
          + f" tokens; longest history within {args.slo_ms:g} ms unloaded ~{base_max}")
 
-    progress = _progress(args)
-    bench = _Bench(args, log, model, lat, progress, timer)
+    bench = _Bench(args, log, model, lat, out, timer)
     main_wl = bench.at(0.0)  # warm-up + the --requests measured requests every run serves at least
     d = main_wl.describe()
     mean_ms = float(np.mean([lat.predict_ms(int(L), args.candidates)
                              for L in main_wl.history_lengths()[main_wl.num_warmup:]]))
-    _say(f"served stream: {d['warmup_requests']} warm-up + {d['requests']} measured requests (more at high QPS: "
+    out.say(f"served stream: {d['warmup_requests']} warm-up + {d['requests']} measured requests (more at high QPS: "
          f">= {args.min_duration_s:g} s each run) of {d['users']} users, history tokens p50 "
          f"{d['history_len_p50']:.0f} / p90 {d['history_len_p90']:.0f} / max {d['history_len_max']} "
          f"(length scale {args.length_scale:g}, cap {args.max_history}); predicted mean full inference "
@@ -410,7 +480,7 @@ def run(args) -> dict:
 
     start_qps = args.qps_start or max(0.05, 0.3 * 1e3 / max(mean_ms, 1e-3))
     results: dict = {m: {} for m in modes}
-    _say(f"searching each mode's highest QPS with P99 <= {args.slo_ms:g} ms from {start_qps:.3g} QPS "
+    out.say(f"searching each mode's highest QPS with P99 <= {args.slo_ms:g} ms from {start_qps:.3g} QPS "
          f"(modes evaluated in turn)")
     qpoints: dict = {m: {} for m in modes}
 
@@ -418,7 +488,7 @@ def run(args) -> dict:
         def evaluate(q):
             ok, s = bench.judge(m, q)
             qpoints[m][q] = s
-            _say(f"  {m:<18} {q:8.3g} QPS  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  busy "
+            out.say(f"  {m:<18} {q:8.3g} QPS  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  busy "
                  f"{s['utilization']:4.0%}  {_verdict(s, args.slo_ms, ok)}")
             return ok, None
         return evaluate
@@ -432,19 +502,19 @@ def run(args) -> dict:
 
     b = results["baseline"]["slo_throughput"]
     ref_qps = args.ref_qps or 0.5 * (b["best"] or start_qps / 2)
-    _say(f"reference QPS {ref_qps:.3g}")
+    out.say(f"reference QPS {ref_qps:.3g}")
     for m in modes:
         s = bench.run(m, ref_qps, label=f"{ref_qps:.3g} QPS (reference)")
         results[m]["at_ref"] = s
-        _say(f"  {m:<18} @ref p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  busy {s['utilization']:.0%}  "
+        out.say(f"  {m:<18} @ref p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  busy {s['utilization']:.0%}  "
              f"work {s['work_ms_per_request']:.1f} ms/request  sources {s['sources']}")
         if m != "baseline":
-            _say("  " + " " * 18 + " " + _prefill_line(s))
+            out.say("  " + " " * 18 + " " + _prefill_line(s))
 
     if not args.no_max_len:
         step = args.len_step
         start_len = max(step, min(args.max_len_hi, (base_max or 256) // step * step))
-        _say(f"searching each mode's longest history with P99 <= {args.slo_ms:g} ms at {ref_qps:.3g} QPS")
+        out.say(f"searching each mode's longest history with P99 <= {args.slo_ms:g} ms at {ref_qps:.3g} QPS")
         lpoints: dict = {m: {} for m in modes}
 
         def at_len(m):
@@ -452,7 +522,7 @@ def run(args) -> dict:
                 L = int(L)
                 ok, s = bench.judge(m, ref_qps, base_length=L, label=f"L={L}")
                 lpoints[m][L] = s
-                _say(f"  {m:<18} L={L:5d}  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  "
+                out.say(f"  {m:<18} L={L:5d}  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  "
                      f"{_verdict(s, args.slo_ms, ok)}")
                 return ok, None
             return evaluate
@@ -468,8 +538,7 @@ def run(args) -> dict:
                  "completed": s["completed"], "num_requests": s["num_requests"],
                  "p99_runs_ms": s.get("p99_runs_ms", []), "passed_runs": s.get("passed_runs")}
                 for L, s in sorted(lpoints[m].items())])
-    if progress is not None:
-        progress.close()
+    out.close()
 
     rel, base = results[relay_mode], results["baseline"]
     tput_ratio = _ratio(rel["slo_throughput"]["best"], base["slo_throughput"]["best"])
@@ -493,7 +562,7 @@ def run(args) -> dict:
         "notes": _notes(args, results, relay_mode),
         "elapsed_s": time.perf_counter() - t_start,
     }
-    report["paths"] = rpt.write_report(report, args.out, json_path=args.json)
+    report["paths"] = rpt.write_report(report, args.out, json_path=args.json, plots=not args.no_plots)
     return report
 
 
@@ -596,14 +665,44 @@ def _notes(args, results, relay_mode) -> list[str]:
     return notes
 
 
-def _progress(args):
-    if args.no_progress or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the bench extra
-        return None
-    return tqdm(total=None, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+def _wants_progress(args) -> bool:
+    """A progress bar is drawn on a terminal unless ``--no-progress``."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
+class Console:
+    """The benchmark's output: lines on stdout and, on a terminal, a progress bar on stderr for the current run.
+
+    Lines go through the bar's own ``write`` while a bar is shown, so a line never lands on the bar's row.
+    """
+
+    def __init__(self, show_bar: bool) -> None:
+        self.show_bar = show_bar
+        self.bar = None
+
+    def say(self, msg: str) -> None:
+        """Print one line on stdout (above the bar)."""
+        if self.bar is None:
+            print(msg, flush=True)
+        else:
+            self.bar.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+
+    def start(self, what: str, total: int) -> None:
+        """Show the bar for a run of ``total`` requests labelled ``what``."""
+        if self.bar is None and self.show_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=what, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+        elif self.bar is not None:
+            self.bar.reset(total=total)
+            self.bar.set_description(what, refresh=True)
+
+    def close(self) -> None:
+        """Remove the bar; later lines print plainly."""
+        if self.bar is not None:
+            self.bar.close()
+        self.bar, self.show_bar = None, False
 
 
 def print_table(report: dict) -> None:
@@ -625,15 +724,20 @@ def print_table(report: dict) -> None:
         print(fmt.format(*r))
 
 
+def print_paths(report: dict) -> None:
+    """Where the report, its JSON and its plots were written, and how long the run took."""
+    p = report["paths"]
+    plots = ", ".join(p[k] for k in ("latency_plot", "max_len_plot") if k in p) or "none (--no-plots)"
+    print(f"\nreport:  {p['markdown']}\njson:    {p['json']}\nplots:   {plots}\nelapsed: {report['elapsed_s']:.0f}s")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    report = run(args)
+    report = run(*prepare(build_parser(), argv))
     print()
     print(report["headline"])
     print()
     print_table(report)
-    print(f"\nreport: {report['paths']['markdown']} (plots: {report['paths'].get('latency_plot')}, "
-          f"{report['paths'].get('max_len_plot', '-')}); {report['elapsed_s']:.0f}s")
+    print_paths(report)
     print(report["result_line"], flush=True)
     return 0
 

@@ -19,6 +19,7 @@ import torch
 
 import relaygr_engine as rg
 
+from ..cli_args import ArgumentParser
 from .common import emit_result, environment, percentile
 
 NEW_TOKENS = 16
@@ -101,7 +102,7 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench tiers", description=__doc__,
+    ap = ArgumentParser(prog="relaygr bench tiers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="KV dtype (default: bfloat16 on CUDA, float32 on CPU)")

@@ -133,6 +133,12 @@ class InteractionLog:
     def num_distinct_items(self) -> int:
         return int(np.unique(self.item_ids).shape[0])
 
+    def num_eligible(self, min_history: int = 1) -> int:
+        """Events with at least ``min_history`` earlier events of the same user: the most requests (warm-up and
+        measured) :func:`build_workload` can draw."""
+        _, counts = np.unique(self.user_ids, return_counts=True)
+        return int(np.maximum(counts - min_history, 0).sum())
+
 
 def _open_text(path: Path) -> io.TextIOBase:
     with open(path, "rb") as f:

@@ -1,14 +1,15 @@
 """``relaygr serve``: relay engines on Ray Serve replicas behind the affinity request router.
 
 Starts a local Ray instance (loopback only, no dashboard) or joins a running cluster (``--address``), deploys
-``--replicas`` replicas, prints the HTTP address and blocks until Ctrl-C or SIGTERM (or ``--duration`` seconds).
+``--replicas`` replicas, prints the HTTP address and where Prometheus scrapes the replicas' metrics (each Ray
+node's metrics export port, :mod:`relaygr_engine.serving.metrics`), and blocks until Ctrl-C or SIGTERM (or
+``--duration`` seconds).
 Endpoints: ``POST {prefix}prefill``, ``POST {prefix}rank`` (JSON), ``GET {prefix}stats``; the route key goes in the
 ``x-session-id`` header (see docs/ray_serve.md). Needs ``pip install 'relaygr-engine[ray]'``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -16,29 +17,17 @@ import threading
 import time
 from typing import Optional
 
+from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, Number, json_object,
+                        require_modules)
+
 _DEVICES = ("cpu", "cuda")
 
 
-def _json_arg(text: str):
-    """A JSON object given inline or as a path to a .json file."""
-    try:
-        if os.path.isfile(text):
-            with open(text, encoding="utf-8") as f:
-                value = json.load(f)
-        else:
-            value = json.loads(text)
-    except (OSError, json.JSONDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object or a path to one, got {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relaygr serve",
-                                description="Relay engines on Ray Serve replicas behind the affinity request router.")
+    p = ArgumentParser(prog="relaygr serve", formatter_class=argparse.HelpFormatter,
+                       description="Relay engines on Ray Serve replicas behind the affinity request router.")
     c = p.add_argument_group("cluster")
-    c.add_argument("--replicas", type=int, default=2, help="replicas, each with its own engine (2)")
+    c.add_argument("--replicas", type=POSITIVE_INT, default=2, help="replicas, each with its own engine (2)")
     c.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. 'auto' or 'HOST:6379'); default: start a local one on 127.0.0.1")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
@@ -47,28 +36,31 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=8000, help="HTTP port (8000)")
     c.add_argument("--route-prefix", default="/", help="HTTP route prefix of the app (/)")
     c.add_argument("--app-name", default="relaygr", help="Serve application name (relaygr)")
-    c.add_argument("--duration", type=float, default=None, help="serve this many seconds, then stop (default: until "
-                                                                  "Ctrl-C)")
+    c.add_argument("--metrics-port", type=POSITIVE_INT, default=None,
+                   help="Prometheus metrics export port of the local Ray instance (default: one Ray picks; "
+                        "printed at start)")
+    c.add_argument("--duration", type=NON_NEGATIVE, default=None,
+                   help="serve this many seconds, then stop (default: until Ctrl-C)")
     e = p.add_argument_group("engine (every replica)")
     e.add_argument("--device", default="cpu", choices=_DEVICES, help="cpu (default) or cuda (one GPU per replica)")
-    e.add_argument("--model", type=_json_arg, default={},
+    e.add_argument("--model", type=json_object, default={},
                    help="GRModelConfig fields as JSON or a JSON file (default: GRModelConfig())")
-    e.add_argument("--seed", type=int, default=0, help="build_ranker seed when no --state-dict is given (0)")
+    e.add_argument("--seed", type=COUNT, default=0, help="build_ranker seed when no --state-dict is given (0)")
     e.add_argument("--state-dict", default=None, help="torch.save-d state_dict to load (a path every node reads)")
-    e.add_argument("--num-pages", type=int, default=4096, help="cache pages per replica (4096)")
-    e.add_argument("--page-size", type=int, default=16, help="tokens per page (16)")
+    e.add_argument("--num-pages", type=POSITIVE_INT, default=4096, help="cache pages per replica (4096)")
+    e.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per page (16)")
     e.add_argument("--max-pinned-fraction", type=float, default=0.5, help="share of pages leases may pin (0.5)")
-    e.add_argument("--lease-ttl-s", type=float, default=1.0, help="pre-infer lease: the relay window in s (1.0)")
-    e.add_argument("--trigger", type=_json_arg, default=None,
+    e.add_argument("--lease-ttl-s", type=POSITIVE, default=1.0, help="pre-infer lease: the relay window in s (1.0)")
+    e.add_argument("--trigger", type=json_object, default=None,
                    help="TriggerConfig fields as JSON or a JSON file (default: no trigger, pre-infer what fits)")
     e.add_argument("--latency-profile", default=None, help="the trigger's profile (default: the shipped one)")
-    e.add_argument("--max-pending-prefills", type=int, default=None,
+    e.add_argument("--max-pending-prefills", type=POSITIVE_INT, default=None,
                    help="pre-infers a replica holds at once; more are rejected and forwarded (default: no bound)")
-    e.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica (1)")
+    e.add_argument("--torch-threads", type=POSITIVE_INT, default=1, help="torch threads per replica (1)")
     r = p.add_argument_group("routing")
-    r.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor, >= 1 (1.25)")
-    r.add_argument("--stats-period-s", type=float, default=0.5, help="replica stats poll period (0.5)")
-    r.add_argument("--max-ongoing-requests", type=int, default=32, help="requests a replica holds at once (32)")
+    r.add_argument("--load-factor", type=Number(float, 1.0), default=1.25, help="bounded-load factor, >= 1 (1.25)")
+    r.add_argument("--stats-period-s", type=POSITIVE, default=0.5, help="replica stats poll period (0.5)")
+    r.add_argument("--max-ongoing-requests", type=POSITIVE_INT, default=32, help="requests a replica holds at once (32)")
     return p
 
 
@@ -84,25 +76,27 @@ def _spec(args):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         spec = _spec(args)
-        if args.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-        if args.duration is not None and args.duration < 0:
-            raise ValueError(f"--duration must be >= 0 seconds, got {args.duration}")
     except (ValueError, TypeError) as e:
-        print(f"relaygr serve: {e}", file=sys.stderr)
-        return 2
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        print("relaygr serve: Ray Serve is not installed; pip install 'relaygr-engine[ray]'", file=sys.stderr)
-        return 2
+        parser.error(str(e))
+    if args.metrics_port is not None and args.address is not None:
+        parser.error("--metrics-port sets the port of a local Ray instance; a cluster's nodes (--address) export "
+                     "metrics on the ports they were started with")
+    require_modules(parser, ["ray.serve"], "ray", "relaygr serve")
+    import ray
+    from ray import serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return _serve(args, spec, ray, serve)
+
+
+def _metrics_urls(ray) -> list[str]:
+    """Where Prometheus scrapes the replicas' metrics: each live Ray node's metrics export endpoint."""
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
+            if n.get("Alive") and n.get("MetricsExportPort")]
 
 
 def _stop_on_sigterm():
@@ -124,7 +118,8 @@ def _serve(args, spec, ray, serve) -> int:
     if ray.is_initialized():  # called from a driver that is already connected
         where = "the Ray instance this process is connected to"
     elif args.address is None:
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _metrics_export_port=args.metrics_port)
         started_ray, where = True, "a local Ray instance (127.0.0.1)"
     else:
         ray.init(address=args.address)
@@ -142,6 +137,8 @@ def _serve(args, spec, ray, serve) -> int:
               "x-session-id, e.g. '7;prefill' then the prefill reply's route_key)")
         if not started_ray:
             print("(a Serve instance already running on the cluster keeps its own HTTP host and port)")
+        print(f"metrics (Prometheus): {', '.join(_metrics_urls(ray))}  (names: relaygr_engine.serving.metrics, "
+              "prefixed ray_ by Ray)")
         print("Ctrl-C (or SIGTERM) to stop" if args.duration is None else f"serving for {args.duration:g} s",
               flush=True)
         end = None if args.duration is None else time.monotonic() + args.duration

@@ -17,6 +17,8 @@ or a ``state_dict`` file, a ``CacheConfig``, optionally a ``TriggerConfig``), an
 * ``prefill(body)`` / ``POST /prefill`` and ``rank(body)`` / ``POST /rank``: JSON in and out
   (:mod:`relaygr_engine.serving.wire`);
 * ``stats()`` / ``GET /stats``: the engine's counters plus the replica's;
+* Prometheus metrics through ``ray.serve.metrics`` (:mod:`relaygr_engine.serving.metrics`: engine counters,
+  request latency histograms, cache gauges), which Ray's metrics agent exports on each node's metrics port;
 * ``record_routing_stats()``: what the request router reads (free, evictable and pinned pages, in-flight
   pre-infers and rankings, whether it can take a pre-infer now).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -45,6 +48,7 @@ from ..policy import _checks
 from ..policy.latency import LatencyModel
 from ..policy.trigger import SequenceAwareTrigger, TriggerConfig
 from . import wire
+from .metrics import EngineMetrics
 from .route_key import parse_user_id
 
 __all__ = ["ReplicaSpec", "RelayReplica", "build_app", "run", "DEPLOYMENT_NAME"]
@@ -142,7 +146,8 @@ class RelayReplica:
     """One Serve replica: a :class:`~relaygr_engine.RelayEngine` behind JSON methods and HTTP endpoints.
 
     Engine calls run in a worker thread (the engine serialises them under its lock), so the replica's event loop
-    stays free to answer routing-stats polls and to reject pre-infers at once.
+    stays free to answer routing-stats polls and to reject pre-infers at once. Inside a Serve replica every
+    request is also recorded in the Prometheus metrics of :mod:`~relaygr_engine.serving.metrics`.
     """
 
     def __init__(self, spec: ReplicaSpec) -> None:
@@ -153,6 +158,7 @@ class RelayReplica:
         self.engine = spec.build_engine()
         self.device = torch.device(spec.cache.device)
         self.replica_id, self.actor_name = _replica_identity()
+        self.metrics = EngineMetrics.ray_serve() if self.actor_name is not None else None
         self._inflight_prefills = 0
         self._inflight_ranks = 0
         self._c = {"replica_prefill_requests": 0, "replica_prefill_rejections": 0, "replica_busy_rejections": 0,
@@ -163,29 +169,53 @@ class RelayReplica:
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
         return parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device)
 
+    def _engine_call(self, fn, *args):
+        """``fn(*args)`` on the engine, then (with metrics) its counters exported, in the calling thread."""
+        out = fn(*args)
+        if self.metrics is not None:
+            self.metrics.record_engine(self.engine.stats())
+        return out
+
+    def _record(self, kind: str, started: float, outcome: Optional[str] = None) -> None:
+        """A request of ``kind`` answered: its latency and the in-flight gauge into the metrics."""
+        if self.metrics is None:
+            return
+        latency = time.perf_counter() - started
+        if kind == "prefill":
+            self.metrics.record_prefill(outcome, latency)
+            self.metrics.set_inflight("prefill", self._inflight_prefills)
+        else:
+            self.metrics.record_ranking(latency)
+            self.metrics.set_inflight("rank", self._inflight_ranks)
+
     # ---------------------------------------------------------------------------------------- handle methods
     async def prefill(self, body: Mapping[str, Any]) -> dict:
         """Pre-infer the history of ``body`` (see :mod:`~relaygr_engine.serving.wire`); the reply's ``rejected``
         asks the caller to forward it."""
+        started = time.perf_counter()
         user, history = self._parse(body)
         self._c["replica_prefill_requests"] += 1
         bound = self.spec.max_pending_prefills
         if bound is not None and self._inflight_prefills >= bound:
             self._c["replica_prefill_rejections"] += 1
             self._c["replica_busy_rejections"] += 1
+            self._record("prefill", started, "busy")
             return wire.prefill_reply(None, self.replica_id, user, reason="replica:busy")
         self._inflight_prefills += 1
         try:
-            ticket = await asyncio.to_thread(self.engine.prefill_prefix, user, history)
+            ticket = await asyncio.to_thread(self._engine_call, self.engine.prefill_prefix, user, history)
         finally:
             self._inflight_prefills -= 1
         reply = wire.prefill_reply(ticket, self.replica_id, user)
         if reply["rejected"]:
             self._c["replica_prefill_rejections"] += 1
+        self._record("prefill", started, "admitted" if reply["admitted"] else
+                     "rejected" if reply["rejected"] else "declined")
         return reply
 
     async def rank(self, body: Mapping[str, Any]) -> dict:
         """Score the candidates of ``body`` over the longest prefix this replica holds (exact either way)."""
+        started = time.perf_counter()
         user, history = self._parse(body)
         cands = wire.candidates_from_json(body, self.device)
         ticket = None
@@ -203,9 +233,10 @@ class RelayReplica:
         self._c["replica_rank_requests"] += 1
         self._inflight_ranks += 1
         try:
-            res = (await asyncio.to_thread(self.engine.rank_with_prefix_batch, [req]))[0]
+            res = (await asyncio.to_thread(self._engine_call, self.engine.rank_with_prefix_batch, [req]))[0]
         finally:
             self._inflight_ranks -= 1
+        self._record("rank", started)
         return wire.rank_reply(res, self.replica_id, ticket is not None)
 
     async def stats(self) -> dict:

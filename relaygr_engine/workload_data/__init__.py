@@ -1,0 +1,1 @@
+"""Workload profiles shipped with the package (read with importlib.resources; see README.md here)."""
