@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -15,6 +13,7 @@ from ..behaviors import Behaviors
 from ..config import CacheConfig
 from ..context import find_layers
 from ..identity import WeightsIdentity
+from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
 from .forward import ForwardRunner
 from .index import PrefixIndex
@@ -24,18 +23,6 @@ from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
 from .tiers import CacheState
 
 __all__ = ["RelayEngine"]
-
-
-def _clock(now) -> float:
-    if now is None:
-        return time.monotonic()
-    try:
-        t = float(now)
-    except (TypeError, ValueError):
-        raise ValueError(f"now must be a finite time in seconds, got {now!r}") from None
-    if not math.isfinite(t):
-        raise ValueError(f"now must be a finite time in seconds, got {now!r}")
-    return t
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

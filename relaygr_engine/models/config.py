@@ -5,15 +5,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..config import parse_choice
+from ..config import check_int, parse_choice
 from ..ops import AttentionMode
 
 __all__ = ["GRModelConfig"]
 
 
-def _int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _int(name: str, value, minimum: int) -> int:
+    """``value`` as a Python int >= ``minimum`` (numpy integers accepted, bools refused)."""
+    return check_int(name, value, minimum)
 
 
 @dataclass(frozen=True)
@@ -68,17 +68,18 @@ class GRModelConfig:
         object.__setattr__(self, "attention", parse_choice(AttentionMode, self.attention, "attention"))
         for name in ("num_layers", "hidden_dim", "num_heads", "head_dim", "num_items", "num_actions",
                      "max_seq_len", "num_tasks", "num_time_buckets"):
-            _int(name, getattr(self, name), 1)
+            object.__setattr__(self, name, _int(name, getattr(self, name), 1))
         if self.num_time_buckets > 64:
             raise ValueError(f"num_time_buckets must be in [1, 64], got {self.num_time_buckets}")
-        _int("num_context_tokens", self.num_context_tokens, 0)
-        _int("context_vocab_size", self.context_vocab_size, 1 if self.num_context_tokens else 0)
+        object.__setattr__(self, "num_context_tokens", _int("num_context_tokens", self.num_context_tokens, 0))
+        object.__setattr__(self, "context_vocab_size", _int("context_vocab_size", self.context_vocab_size,
+                                                            1 if self.num_context_tokens else 0))
         if self.num_context_tokens >= self.max_seq_len:
             raise ValueError(f"num_context_tokens must be < max_seq_len ({self.max_seq_len}) to leave room for a "
                              f"behavior, got {self.num_context_tokens}")
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", 4 * self.hidden_dim)
-        _int("ffn_dim", self.ffn_dim, 1)
+        object.__setattr__(self, "ffn_dim", _int("ffn_dim", self.ffn_dim, 1))
 
     @property
     def attention_scale(self) -> float:
