@@ -306,7 +306,8 @@ class RelayEngine:
 
         ``hbm_hits``/``dram_hits``/``recomputes``: ranking requests that reused a prefix from device memory /
         reloaded it from the DRAM tier / computed from scratch; ``reloads``/``spills`` (and ``*_bytes``): copies
-        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper);
+        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper;
+        ``spill_failures``/``reload_failures``: copies that failed, served without them);
         ``trigger_*``: the trigger's decisions when one is set; ``cached_tokens``/``computed_tokens``: history
         tokens read / rows computed while ranking; ``extensions``: entries extended while ranking;
         ``stored_on_rank``: missed histories kept; ``expired_leases``: pre-infer leases that ran out before their

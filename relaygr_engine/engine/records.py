@@ -111,6 +111,8 @@ class EngineCounters:
     reloads_refused: int = 0
     spills: int = 0
     spill_bytes: int = 0
+    spill_failures: int = 0
+    reload_failures: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
     candidates: int = 0
