@@ -100,6 +100,15 @@ def test_limits_are_validated_and_parse_body_checks_before_json():
         wire.behaviors_from_json({"item_ids": [1, 2], "timestamps": [1, 2, 3]}, max_history=2)
 
 
+def test_serve_cli_checks_limits_before_starting_ray(capsys):
+    from relaygr_engine.serving.cli import main
+
+    assert main(["--max-json-depth", "300"]) == 2
+    assert "max_json_depth must be in [1, 256], got 300" in capsys.readouterr().err
+    assert main(["--max-candidates", "0"]) == 2
+    assert "max_candidates must be an integer >= 1" in capsys.readouterr().err
+
+
 class _Request:
     """An ASGI request for the replica's handler (Starlette's own Request over a scope and a receive channel)."""
 

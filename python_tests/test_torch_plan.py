@@ -79,12 +79,12 @@ def test_planned_attention_declines_batches_past_its_padding_budget(monkeypatch)
 def test_hit_path_op_budget():
     """Deterministic aten-op counts of one cache-hit ranking (torch backend): a change that adds per-layer or
     per-request ops fails here. Measured when pinned: 40 per layer, 90 per request (from 158 and 70 before the
-    planned attention)."""
+    planned attention), 91 since the request check reads the timestamps on the host to refuse negative times."""
     from relaygr_engine.bench.overhead import hit_path_ops
     two, four = hit_path_ops(2), hit_path_ops(4)
     a, b = sum(two["hit"].values()), sum(four["hit"].values())
     per_layer = (b - a) / 2
     per_request = a - 2 * per_layer
     assert per_layer <= 40, (per_layer, four["hit"] - two["hit"])
-    assert per_request <= 90, (per_request, two["hit"])
+    assert per_request <= 91, (per_request, two["hit"])
     assert "_local_scalar_dense" not in (four["hit"] - two["hit"])  # no host read inside the layers

@@ -66,9 +66,10 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
         raise ValueError(f"history must be on {device} (the model's device), got {history.device}")
     if len(history) == 0:
         raise ValueError("history must hold at least one behavior, got 0")
-    ts = history.timestamps
-    if ts is not None and int(ts.min()) < 0:
-        raise ValueError(f"history.timestamps must be times in seconds >= 0, got {int(ts.min())}")
+    if history.timestamps is not None:
+        low = int(history.timestamps.cpu().numpy().min())  # on the host: no device op on CPU
+        if low < 0:
+            raise ValueError(f"history.timestamps must be times in seconds >= 0, got {low}")
     if candidates is not None:
         if not isinstance(candidates, torch.Tensor) or candidates.dim() != 1 or candidates.dtype != torch.long:
             got = (f"{tuple(candidates.shape)} {candidates.dtype}" if isinstance(candidates, torch.Tensor)

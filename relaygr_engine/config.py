@@ -5,6 +5,7 @@ import enum
 import math
 import numbers
 import operator
+import reprlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -13,18 +14,24 @@ import torch
 __all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "check_int", "parse_choice", "resolve_dtype"]
 
 
-def check_int(name: str, value, minimum: int = 0) -> int:
-    """``value`` as a Python int >= ``minimum``: an int or a numpy integer (anything with ``__index__``); bools are
-    refused. Else ValueError naming ``name``."""
+def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
+    """``value`` as a Python int in ``[minimum, below)`` (no upper bound when ``below`` is None): an int or a numpy
+    integer (anything with ``__index__``); bools are refused. Else ValueError naming ``name``."""
+    expected = f"an integer >= {minimum}" if below is None else f"an integer in [{minimum}, {_bound(below)})"
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
     try:
         v = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v}")
+        raise ValueError(f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}") from None
+    if v < minimum or (below is not None and v >= below):
+        raise ValueError(f"{name} must be {expected}, got {v}")
     return v
+
+
+def _bound(n: int) -> str:
+    """``2**k`` for a power of two past 2**16, else the number."""
+    return f"2**{n.bit_length() - 1}" if n > 1 << 16 and n & (n - 1) == 0 else str(n)
 
 
 def _real(value) -> bool:

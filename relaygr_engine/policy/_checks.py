@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import time
 from typing import Optional
 
@@ -14,15 +13,7 @@ count = check_int  # ``value`` as an int >= ``minimum`` (bools refused); the one
 
 def u64(name: str, value) -> int:
     """An unsigned 64-bit value: an int in ``[0, 2**64)`` (bools are refused)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {type(value).__name__}") from None
-    if not 0 <= v < 1 << 64:
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {v}")
-    return v
+    return check_int(name, value, 0, 1 << 64)
 
 
 def user_id(value) -> int:
