@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -276,6 +277,20 @@ PrefixBlockPool& self_pool(PyObject* self) {
   if (!inst->get_value_and_holder().holder_constructed())
     throw py::type_error("PrefixBlockPool.__init__() was not called on this instance");
   return py::cast<PrefixBlockPool&>(py::handle(self));
+}
+
+// The C++ pool of `self` for members bound through pybind11's dispatcher, which does not check the type of `self`
+// when it is taken as a handle: checked here before self_pool reads it as an instance.
+PrefixBlockPool& pool_of(py::handle self) {
+  if (!py::isinstance<PrefixBlockPool>(self))
+    throw py::type_error("descriptor of PrefixBlockPool needs a PrefixBlockPool, got " + type_name_of(self));
+  return self_pool(self.ptr());
+}
+
+// A getter of the pool as a member taking `self` as a handle (so an instance whose __init__ never ran is refused).
+template <typename R>
+std::function<R(py::handle)> pool_getter(R (PrefixBlockPool::*get)() const) {
+  return [get](py::handle self) { return (pool_of(self).*get)(); };
 }
 
 template <FastMethod* M>
@@ -580,24 +595,28 @@ PYBIND11_MODULE(_C, m) {
           py::arg("num_pages"), py::arg("page_size"), py::arg("max_pinned_pages") = py::none());
 
   // Trivial getters keep the GIL: the core never waits on the GIL while holding its mutex, so this cannot deadlock.
-  cls.def_property_readonly("num_pages", &PrefixBlockPool::num_pages)
-      .def_property_readonly("page_size", &PrefixBlockPool::page_size)
-      .def_property_readonly("max_pinned_pages", &PrefixBlockPool::max_pinned_pages)
-      .def_property_readonly("num_free_pages", &PrefixBlockPool::num_free_pages, "Pages owned by no entry.")
-      .def_property_readonly("num_evictable_pages", &PrefixBlockPool::num_evictable_pages,
+  // Every member takes `self` as a handle and goes through pool_of (see there).
+  cls.def_property_readonly("num_pages", pool_getter(&PrefixBlockPool::num_pages))
+      .def_property_readonly("page_size", pool_getter(&PrefixBlockPool::page_size))
+      .def_property_readonly("max_pinned_pages", pool_getter(&PrefixBlockPool::max_pinned_pages))
+      .def_property_readonly("num_free_pages", pool_getter(&PrefixBlockPool::num_free_pages), "Pages owned by no entry.")
+      .def_property_readonly("num_evictable_pages", pool_getter(&PrefixBlockPool::num_evictable_pages),
                              "Pages owned by unpinned entries (reclaimable by eviction).")
-      .def_property_readonly("num_pinned_pages", &PrefixBlockPool::num_pinned_pages, "Pages owned by pinned entries.")
-      .def_property_readonly("num_used_pages", &PrefixBlockPool::num_used_pages)
-      .def_property_readonly("num_entries", &PrefixBlockPool::num_entries)
-      .def("__len__", [](const PrefixBlockPool& p) { return p.num_entries(); })
+      .def_property_readonly("num_pinned_pages", pool_getter(&PrefixBlockPool::num_pinned_pages),
+                             "Pages owned by pinned entries.")
+      .def_property_readonly("num_used_pages", pool_getter(&PrefixBlockPool::num_used_pages))
+      .def_property_readonly("num_entries", pool_getter(&PrefixBlockPool::num_entries))
+      .def("__len__", [](py::handle self) { return pool_of(self).num_entries(); })
       .def("__contains__",
-           [](const PrefixBlockPool& p, py::handle key) {
+           [](py::handle self, py::handle key) {
+             const PrefixBlockPool& p = pool_of(self);
              auto kv = unpack2(key);
              const std::uint64_t u = to_u64("user_id", kv.first);
              const std::uint64_t f = to_u64("fingerprint", kv.second);
              return p.contains(u, f);
            })
-      .def("__repr__", [](const PrefixBlockPool& p) {
+      .def("__repr__", [](py::handle self) {
+        const PrefixBlockPool& p = pool_of(self);
         return "PrefixBlockPool(implementation='cpp', num_pages=" + std::to_string(p.num_pages()) +
                ", page_size=" + std::to_string(p.page_size()) +
                ", max_pinned_pages=" + std::to_string(p.max_pinned_pages()) +
@@ -621,7 +640,8 @@ PYBIND11_MODULE(_C, m) {
 
   cls.def(
       "stats",
-      [](const PrefixBlockPool& p) {
+      [](py::handle self) {
+        const PrefixBlockPool& p = pool_of(self);
         PrefixBlockPool::Stats s;
         {
           py::gil_scoped_release nogil;
@@ -635,7 +655,8 @@ PYBIND11_MODULE(_C, m) {
 
   cls.def(
       "check_invariants",
-      [](const PrefixBlockPool& p) {
+      [](py::handle self) {
+        const PrefixBlockPool& p = pool_of(self);
         py::gil_scoped_release nogil;
         p.check_invariants();
       },

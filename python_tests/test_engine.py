@@ -452,12 +452,16 @@ def _bad_requests(h, cands, ticket):
         (dict(candidates=cands + 1000), "candidates must be in"),
         (dict(candidates=None), "candidates must be a 1-D int64"),
         (dict(request_time=float("nan")), "request_time must be an integer"),
+        (dict(request_time=-1), r"request_time must be an integer time in seconds in \[0, 2\*\*63\)"),
+        (dict(history=rg.Behaviors(h.item_ids, h.action_ids, h.timestamps - h.timestamps[-1] - 1)),
+         "history.timestamps must be times in seconds >= 0"),
         (dict(ticket=other), "ticket is for user_id=99"),
         (dict(ticket="t"), "ticket must be a PrefixTicket"),
         (dict(user_id=-1), "user_id must be an integer in"),
         (dict(user_id=1 << 64), "user_id must be an integer in"),
         (dict(user_id=True), "user_id must be an integer in"),
-        (dict(now=float("inf")), "now must be a finite time"),
+        (dict(now=float("inf")), "now must be a finite number"),
+        (dict(now=10 ** 400), "now must be a number"),
     ]
 
 
@@ -491,7 +495,7 @@ def test_bad_input_raises_before_any_state_change():
         assert snapshot(engine) == before
     with pytest.raises(ValueError, match="items\\[0\\] must be a \\(user_id, history\\) pair"):
         engine.prefill_prefix_batch([h])
-    with pytest.raises(ValueError, match="now must be a finite time"):
+    with pytest.raises(ValueError, match="now must be a finite number"):
         engine.prefill_prefix(7, h, now=float("nan"))
     assert snapshot(engine) == before
     # the request that was refused works unchanged afterwards

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from relaygr_engine._ext import pool_implementations
+from relaygr_engine._ext import CppPrefixBlockPool, pool_implementations
 
 
 # ----------------------------------------------------------------------------- plain behaviour
@@ -436,6 +438,34 @@ def test_pool_state_machine(impl_name):
     machine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
     machine.TestCase().runTest()
+
+
+UNINITIALISED = """
+import relaygr_engine._C as C
+P = C.PrefixBlockPool
+p = P.__new__(P)
+calls = [lambda: p.num_pages, lambda: p.num_free_pages, lambda: p.num_pinned_pages, lambda: len(p), lambda: repr(p),
+         lambda: (1, 2) in p, p.stats, p.check_invariants, lambda: p.insert(1, 2, 3), lambda: p.pin(1, 2),
+         lambda: P.stats(object()), lambda: P.num_pages.fget(3)]
+for i, call in enumerate(calls):
+    try:
+        call()
+        print(i, "returned")
+    except TypeError as e:
+        print(i, "TypeError", e)
+"""
+
+
+@pytest.mark.skipif(CppPrefixBlockPool is None, reason="the C++ extension relaygr_engine._C is not built")
+def test_cpp_pool_without_init_refuses_every_member():
+    """``PrefixBlockPool.__new__`` leaves no C++ pool behind: every member raises TypeError (in a child process,
+    so that a crash or a hang fails this test instead of ending the run)."""
+    done = subprocess.run([sys.executable, "-c", UNINITIALISED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 12 and all(" TypeError " in line for line in lines), done.stdout
+    assert sum("__init__() was not called" in line for line in lines) == 10
+    assert all("needs a PrefixBlockPool" in line for line in lines[10:])
 
 
 # ----------------------------------------------------------------------------- threads

@@ -134,6 +134,7 @@ class PrefixBlockPool:
         self._evictable_pages = 0
         self._pinned_pages = 0
         self._heap: list[tuple[float, int, int, int]] = []  # (expiry, lease_seq, user, fingerprint)
+        self._live_leases = 0
         self._seq = 0
         self._c = dict(inserts=0, allocations=0, evictions=0, evicted_pages=0, expirations=0,
                        refused_leases=0, refused_inserts=0, hits=0, misses=0, frees=0, leases=0,
@@ -212,11 +213,12 @@ class PrefixBlockPool:
         n = 0
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, seq, user_id, fingerprint = heapq.heappop(heap)
-            e = self._entries.get((user_id, fingerprint))
-            if e is None or e.lease != _LIVE_LEASE or e.lease_seq != seq:
+            record = heapq.heappop(heap)
+            if not self._record_live(record):
                 continue  # stale record: entry gone, lease released or renewed
+            e = self._entries[(record[2], record[3])]
             e.lease = _EXPIRED_LEASE
+            self._live_leases -= 1
             n += 1
             if e.ref == 0:
                 self._make_evictable(e)
@@ -225,11 +227,22 @@ class PrefixBlockPool:
 
     def _set_lease(self, e: _Entry, expiry: float) -> None:
         self._seq += 1
+        if e.lease != _LIVE_LEASE:
+            self._live_leases += 1
         e.lease = _LIVE_LEASE
         e.expiry = expiry
         e.lease_seq = self._seq
         heapq.heappush(self._heap, (expiry, self._seq, e.user_id, e.fingerprint))
         self._c["leases"] += 1
+        # Renewals and releases leave stale records behind; drop them once they outnumber the live ones.
+        if len(self._heap) > 64 and len(self._heap) > 2 * self._live_leases:
+            self._heap = [r for r in self._heap if self._record_live(r)]
+            heapq.heapify(self._heap)
+
+    def _record_live(self, record: tuple[float, int, int, int]) -> bool:
+        """Whether a lease-heap record still names a live lease (not released, renewed or gone)."""
+        e = self._entries.get((record[2], record[3]))
+        return e is not None and e.lease == _LIVE_LEASE and e.lease_seq == record[1]
 
     def _reclaim(self, n: int) -> Optional[list[int]]:
         """Take ``n`` pages, evicting LRU entries as needed; None (and no change) if impossible."""
@@ -412,6 +425,7 @@ class PrefixBlockPool:
                                  f"holds no lease (never leased or already released)")
             self._expire(t)
             live = e.lease == _LIVE_LEASE
+            self._live_leases -= live
             e.lease = _NO_LEASE
             self._seq += 1
             e.lease_seq = self._seq  # orphan the heap record
@@ -530,3 +544,6 @@ class PrefixBlockPool:
             assert not free & owner.keys(), "page both free and owned"
             assert len(free) + len(owner) == self._num_pages, "page lost"
             assert pinned == self._pinned_pages and evictable == self._evictable_pages
+            live = sum(1 for e in self._entries.values() if e.lease == _LIVE_LEASE)
+            assert live == self._live_leases, (live, self._live_leases)
+            assert sum(1 for r in self._heap if self._record_live(r)) == live, "live lease without a heap record"

@@ -21,7 +21,7 @@ from .behaviors import Behaviors
 
 __all__ = ["RelayBatch", "check_request", "request_time_of"]
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT64_MAX = (1 << 63) - 1
 
 
 def request_time_of(history: Behaviors, request_time) -> Optional[int]:
@@ -30,7 +30,7 @@ def request_time_of(history: Behaviors, request_time) -> Optional[int]:
     Raises
     ------
     ValueError
-        ``request_time`` not an int64 integer, or given for a history without timestamps.
+        ``request_time`` not an integer in ``[0, 2**63)``, or given for a history without timestamps.
     """
     if request_time is None:
         return None if history.timestamps is None else int(history.timestamps[-1])
@@ -40,8 +40,8 @@ def request_time_of(history: Behaviors, request_time) -> Optional[int]:
         t = operator.index(request_time.item() if isinstance(request_time, torch.Tensor) else request_time)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"request_time must be an integer time in seconds, got {request_time!r}") from None
-    if not _INT64_MIN <= t <= _INT64_MAX:
-        raise ValueError(f"request_time must fit in int64, got {t}")
+    if not 0 <= t <= _INT64_MAX:
+        raise ValueError(f"request_time must be an integer time in seconds in [0, 2**63), got {t}")
     if history.timestamps is None:
         raise ValueError("request_time applies to a history with timestamps; got a history without them")
     return t
@@ -54,9 +54,11 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
     Raises
     ------
     ValueError
-        Not a :class:`Behaviors`; wrong device; empty history; candidates (when given) not a non-empty 1-D int64
-        tensor on ``device``; ``request_time`` not an int64 integer, or given for a history without timestamps.
-        Id ranges and lengths are the model's to check (``check_inputs``).
+        Not a :class:`Behaviors`; wrong device; empty history; a negative timestamp; candidates (when given) not a
+        non-empty 1-D int64 tensor on ``device``; ``request_time`` not an integer in ``[0, 2**63)``, or given for a
+        history without timestamps. Id ranges and lengths are the model's to check (``check_inputs``).
+
+    Times are seconds in ``[0, 2**63)``, so every difference of two of them (the time bias's input) fits in int64.
     """
     if not isinstance(history, Behaviors):
         raise ValueError(f"history must be a Behaviors, got {type(history).__name__}")
@@ -64,6 +66,10 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
         raise ValueError(f"history must be on {device} (the model's device), got {history.device}")
     if len(history) == 0:
         raise ValueError("history must hold at least one behavior, got 0")
+    if history.timestamps is not None:
+        low = int(history.timestamps.cpu().numpy().min())  # on the host: no device op on CPU
+        if low < 0:
+            raise ValueError(f"history.timestamps must be times in seconds >= 0, got {low}")
     if candidates is not None:
         if not isinstance(candidates, torch.Tensor) or candidates.dim() != 1 or candidates.dtype != torch.long:
             got = (f"{tuple(candidates.shape)} {candidates.dtype}" if isinstance(candidates, torch.Tensor)

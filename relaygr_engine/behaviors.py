@@ -30,7 +30,7 @@ class Behaviors:
     action_ids : LongTensor [L], optional
         The action of each interaction (click, like, ...). Without it the action embedding is left out.
     timestamps : LongTensor [L], optional
-        Interaction times in seconds (int64). Without them the HSTU time bias is left out.
+        Interaction times in seconds (int64, >= 0). Without them the HSTU time bias is left out.
     context_ids : LongTensor [num_context_tokens], optional
         Contextual user-feature tokens placed before the behaviors; required exactly when the model has
         ``num_context_tokens > 0``.

@@ -103,10 +103,10 @@ class PagedKVCache:
         buf[page_idx, 1, slot_idx] = v.to(self.dtype)
 
     def write_timestamps(self, pages, timestamps: torch.Tensor, start: int = 0) -> None:
-        """Store int64 timestamps ``[n]`` of tokens ``start .. start+n-1`` beside their KV."""
+        """Store integer timestamps ``[n]`` of tokens ``start .. start+n-1`` beside their KV (as int64)."""
         ts = torch.as_tensor(timestamps)
-        if ts.dim() != 1:
-            raise ValueError(f"timestamps must be 1-D, got shape {tuple(ts.shape)}")
+        if ts.dim() != 1 or ts.dtype.is_floating_point or ts.dtype.is_complex or ts.dtype == torch.bool:
+            raise ValueError(f"timestamps must be a 1-D integer tensor, got {ts.dtype} of shape {tuple(ts.shape)}")
         page_idx, slot_idx = self.slots(pages, start, ts.shape[0])
         self.timestamps[page_idx, slot_idx] = ts.to(device=self.device, dtype=torch.long)
 

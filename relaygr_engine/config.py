@@ -3,12 +3,40 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+import operator
+import reprlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "TimeBucket", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
+
+
+def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
+    """``value`` as a Python int in ``[minimum, below)`` (no upper bound when ``below`` is None): an int or a numpy
+    integer (anything with ``__index__``); bools are refused. Else ValueError naming ``name``."""
+    expected = f"an integer >= {minimum}" if below is None else f"an integer in [{minimum}, {_bound(below)})"
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}") from None
+    if v < minimum or (below is not None and v >= below):
+        raise ValueError(f"{name} must be {expected}, got {v}")
+    return v
+
+
+def _bound(n: int) -> str:
+    """``2**k`` for a power of two past 2**16, else the number."""
+    return f"2**{n.bit_length() - 1}" if n > 1 << 16 and n & (n - 1) == 0 else str(n)
+
+
+def _real(value) -> bool:
+    """A real number that is not a bool (ints, floats, numpy scalars)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def parse_choice(enum_cls: type[enum.Enum], value, name: str):
@@ -129,22 +157,22 @@ class CacheConfig:
         if dev is None or dev.type not in ("cpu", "cuda", "npu"):
             raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'npu[:N]', got {self.device!r}")
         object.__setattr__(self, "device", str(dev))
-        _positive_int("page_size", self.page_size)
+        object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
         if self.num_pages is not None and self.hbm_bytes is not None:
             raise ValueError("give num_pages or hbm_bytes, not both "
                              f"(got num_pages={self.num_pages}, hbm_bytes={self.hbm_bytes})")
-        if self.num_pages is not None:
-            _positive_int("num_pages", self.num_pages)
-        if self.hbm_bytes is not None:
-            _positive_int("hbm_bytes", self.hbm_bytes)
+        for name in ("num_pages", "hbm_bytes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         f = self.max_pinned_fraction
-        if not (isinstance(f, (int, float)) and 0 < f <= 1):
+        if not (_real(f) and 0 < f <= 1):
             raise ValueError(f"max_pinned_fraction must be in (0, 1], got {f!r}")
+        object.__setattr__(self, "max_pinned_fraction", float(f))
         t = self.lease_ttl_s
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        if not (_real(t) and math.isfinite(t) and t > 0):
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {t!r}")
-        if not isinstance(self.dram_bytes, int) or isinstance(self.dram_bytes, bool) or self.dram_bytes < 0:
-            raise ValueError(f"dram_bytes must be an integer >= 0, got {self.dram_bytes!r}")
+        object.__setattr__(self, "lease_ttl_s", float(t))
+        object.__setattr__(self, "dram_bytes", check_int("dram_bytes", self.dram_bytes, 0))
 
     def page_bytes(self, num_layers: int, num_heads: int, head_dim: int) -> int:
         """Bytes one page takes on the device: K and V of every layer plus its int64 timestamps."""
@@ -169,7 +197,5 @@ class CacheConfig:
 
 
 def _positive_int(name: str, value) -> int:
-    """``value`` when it is an int >= 1 (bools refused); else ValueError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    """:func:`check_int` with ``minimum=1``."""
+    return check_int(name, value, 1)

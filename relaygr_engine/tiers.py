@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .config import check_int
+
 __all__ = ["DramEntry", "HostKVTier", "ReloadCostModel"]
 
 @dataclass(frozen=True)
@@ -35,6 +37,19 @@ class DramEntry:
     kv: torch.Tensor
     timestamps: torch.Tensor
 
+    def __post_init__(self) -> None:
+        n = check_int("num_tokens", self.num_tokens, 1)
+        object.__setattr__(self, "num_tokens", n)
+        if not isinstance(self.kv, torch.Tensor) or self.kv.dim() != 5 or self.kv.shape[1] != 2:
+            got = tuple(self.kv.shape) if isinstance(self.kv, torch.Tensor) else type(self.kv).__name__
+            raise ValueError(f"kv must be a [num_layers, 2, slots, H, D] tensor, got {got}")
+        if self.kv.shape[2] < n:
+            raise ValueError(f"kv must hold num_tokens={n} token slots, got {self.kv.shape[2]}")
+        ts = self.timestamps
+        if not isinstance(ts, torch.Tensor) or ts.dtype != torch.long or tuple(ts.shape) != (n,):
+            got = f"{tuple(ts.shape)} {ts.dtype}" if isinstance(ts, torch.Tensor) else type(ts).__name__
+            raise ValueError(f"timestamps must be int64 of shape ({n},) (num_tokens), got {got}")
+
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size() + self.timestamps.numel() * 8
@@ -52,9 +67,7 @@ class HostKVTier:
     """
 
     def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be an integer > 0, got {capacity_bytes!r}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 1)
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[int, int], DramEntry] = OrderedDict()  # oldest first
@@ -81,6 +94,8 @@ class HostKVTier:
 
         Returns False, and stores nothing, when the entry alone exceeds the budget.
         """
+        if not isinstance(entry, DramEntry):
+            raise ValueError(f"entry must be a DramEntry, got {type(entry).__name__}")
         if entry.kv.device.type != "cpu":
             raise ValueError(f"entry.kv must be a host tensor, got device {entry.kv.device}")
         size = entry.nbytes

@@ -521,8 +521,8 @@ def _older_tokens(user: int, count: int, first_ts: int, num_items: int, num_acti
     h = _mix64(key)
     items = (h % np.uint64(num_items)).astype(np.int64)
     acts = ((h >> np.uint64(32)) % np.uint64(num_actions)).astype(np.int64)
-    # one synthetic behavior a minute, oldest first, ending a minute before the first real one
-    times = first_ts - 60 * (count - np.arange(count, dtype=np.int64))
+    # one synthetic behavior a minute, oldest first, ending a minute before the first real one (times are >= 0)
+    times = np.maximum(first_ts - 60 * (count - np.arange(count, dtype=np.int64)), 0)
     return items, acts, times
 
 

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -15,6 +13,7 @@ from ..behaviors import Behaviors
 from ..config import CacheConfig
 from ..context import find_layers
 from ..identity import WeightsIdentity
+from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
 from .forward import ForwardRunner
 from .index import PrefixIndex
@@ -24,18 +23,6 @@ from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
 from .tiers import CacheState
 
 __all__ = ["RelayEngine"]
-
-
-def _clock(now) -> float:
-    if now is None:
-        return time.monotonic()
-    try:
-        t = float(now)
-    except (TypeError, ValueError):
-        raise ValueError(f"now must be a finite time in seconds, got {now!r}") from None
-    if not math.isfinite(t):
-        raise ValueError(f"now must be a finite time in seconds, got {now!r}")
-    return t
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -342,7 +329,8 @@ class RelayEngine:
 
         ``hbm_hits``/``dram_hits``/``recomputes``: ranking requests that reused a prefix from device memory /
         reloaded it from the DRAM tier / computed from scratch; ``reloads``/``spills`` (and ``*_bytes``): copies
-        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper);
+        between the tiers (``reloads_declined_cost``: DRAM hits where recomputing was predicted cheaper;
+        ``spill_failures``/``reload_failures``: copies that failed, served without them);
         ``trigger_*``: the trigger's decisions when one is set; ``cached_tokens``/``computed_tokens``: history
         tokens read / rows computed while ranking; ``extensions``: entries extended while ranking;
         ``stored_on_rank``: missed histories kept; ``expired_leases``: pre-infer leases that ran out before their

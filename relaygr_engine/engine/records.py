@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..behaviors import Behaviors
+from ..policy import _checks
 
 __all__ = ["EngineCounters", "PrefixTicket", "RankRequest", "RankResult"]
 
@@ -46,6 +47,18 @@ class PrefixTicket:
     expires_at: Optional[float]
     cached_tokens: int = 0
     computed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.admitted, bool):
+            raise ValueError(f"admitted must be a bool, got {type(self.admitted).__name__} {self.admitted!r}")
+        if not isinstance(self.reason, str):
+            raise ValueError(f"reason must be a str, got {type(self.reason).__name__}")
+        object.__setattr__(self, "user_id", _checks.user_id(self.user_id))
+        object.__setattr__(self, "fingerprint", _checks.u64("fingerprint", self.fingerprint))
+        for name in ("num_tokens", "cached_tokens", "computed_tokens"):
+            object.__setattr__(self, name, _checks.count(name, getattr(self, name)))
+        if self.expires_at is not None:
+            object.__setattr__(self, "expires_at", _checks.number("expires_at", self.expires_at))
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +111,8 @@ class EngineCounters:
     reloads_refused: int = 0
     spills: int = 0
     spill_bytes: int = 0
+    spill_failures: int = 0
+    reload_failures: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
     candidates: int = 0

@@ -2,6 +2,7 @@
 reload."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,6 +16,9 @@ from ..tiers import DramEntry, HostKVTier, ReloadCostModel
 from .records import EngineCounters, Key
 
 __all__ = ["CacheState"]
+
+_log = logging.getLogger("relaygr_engine")
+_TRANSFER_ERRORS = (RuntimeError, MemoryError)  # a failed copy or allocation (torch's out-of-memory included)
 
 
 @dataclass(eq=False)
@@ -79,11 +83,35 @@ class CacheState:
         self.cache.timestamps.index_copy_(0, d, self.cache.timestamps.index_select(0, s))
 
     # ------------------------------------------------------------------------------------------ DRAM tier
+    def _transfer_failed(self, what: str, exc: BaseException) -> None:
+        """Count a failed spill or reload (the caller goes on without it); warn the first time."""
+        name = f"{what}_failures"
+        if getattr(self.counters, name) == 0:
+            _log.warning("relaygr_engine: a DRAM %s failed (%s: %s); going on without it (counted as %s)", what,
+                         type(exc).__name__, exc, name)
+        setattr(self.counters, name, getattr(self.counters, name) + 1)
+
     def spill(self, key: Key) -> None:
-        """Copy an entry to the DRAM tier as one contiguous buffer, unless DRAM already holds this key."""
+        """Copy an entry to the DRAM tier as one contiguous buffer, unless DRAM already holds this key.
+
+        A failed copy keeps no DRAM entry and is counted (``spill_failures``): the prefix stays in device memory.
+        """
         num_tokens = self.pool.lookup(*key)
         if num_tokens is None or key in self.dram:
             return
+        try:
+            entry = self._pack(key, num_tokens)
+        except _TRANSFER_ERRORS as e:
+            self._transfer_failed("spill", e)
+            return
+        for fp, _ in self.dram.entries_of(key[0]):  # superseded by the longer prefix of the same user
+            self.dram.discard(key[0], fp)
+        if self.dram.put(entry):
+            self.counters.spills += 1
+            self.counters.spill_bytes += entry.nbytes
+
+    def _pack(self, key: Key, num_tokens: int) -> DramEntry:
+        """A DRAM entry holding a copy of the cached entry ``key`` of ``num_tokens`` tokens."""
         pages = self.pool.pages_of(*key)
         c = self.cache
         buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
@@ -98,11 +126,7 @@ class CacheState:
             c.pack(pages, out=buf)
         entry = DramEntry(key[0], key[1], num_tokens, buf, c.gather_timestamps(pages, num_tokens).cpu())
         self.sync()  # the buffer is complete before reuse
-        for fp, _ in self.dram.entries_of(key[0]):  # superseded by the longer prefix of the same user
-            self.dram.discard(key[0], fp)
-        if self.dram.put(entry):
-            self.counters.spills += 1
-            self.counters.spill_bytes += entry.nbytes
+        return entry
 
     def spill_if_evictable(self, key: Key, t: float) -> None:
         """Keep a DRAM copy of an entry that is cached and no lease holds (it may be evicted from now on)."""
@@ -117,7 +141,10 @@ class CacheState:
                 self.spill_if_evictable(key, t)
 
     def reload(self, key: Key, num_tokens: int, t: float) -> Optional[np.ndarray]:
-        """Copy a DRAM entry back into pool pages (returned pinned by one reference), or None to recompute."""
+        """Copy a DRAM entry back into pool pages (returned pinned by one reference), or None to recompute.
+
+        A failed copy frees the pages, drops the DRAM entry and is counted (``reload_failures``): None.
+        """
         entry = self.dram.get(*key)
         if entry is None:
             return None
@@ -133,6 +160,11 @@ class CacheState:
             self.cache.unpack(entry.kv, pages)
             self.cache.write_timestamps(pages, entry.timestamps)
             self.sync()
+        except _TRANSFER_ERRORS as e:
+            self.drop(key, t)
+            self.dram.discard(*key)
+            self._transfer_failed("reload", e)
+            return None
         except BaseException:
             self.drop(key, t)
             raise

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..config import TimeBucket, parse_choice
+from ..config import TimeBucket, check_int, parse_choice
 from ..kernels._common import check_scalar
 from ..ops import AttentionMode, check_time_buckets
 
@@ -38,9 +38,9 @@ _HSTU_ONLY = dict(hstu_activation=HSTUActivation.SILU_U, hstu_output=HSTUOutput.
                   hstu_output_norm=HSTUOutputNorm.LAYER, time_bucket=TimeBucket.LOG2, rab_without_time=True)
 
 
-def _int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _int(name: str, value, minimum: int) -> int:
+    """``value`` as a Python int >= ``minimum`` (numpy integers accepted, bools refused)."""
+    return check_int(name, value, minimum)
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,12 @@ class GRModelConfig:
                 raise ValueError(f"hstu_norm applies to attention='hstu' only, got hstu_norm={self.hstu_norm!r} "
                                  "with attention='softmax'")
         for name in ("num_layers", "hidden_dim", "num_heads", "head_dim", "num_items", "num_actions",
-                     "max_seq_len", "num_tasks"):
-            _int(name, getattr(self, name), 1)
+                     "max_seq_len", "num_tasks", "num_time_buckets"):
+            object.__setattr__(self, name, _int(name, getattr(self, name), 1))
         check_time_buckets("num_time_buckets", self.num_time_buckets, self.time_bucket)
         if self.value_dim is None:
             object.__setattr__(self, "value_dim", self.head_dim)
-        _int("value_dim", self.value_dim, 1)
+        object.__setattr__(self, "value_dim", _int("value_dim", self.value_dim, 1))
         object.__setattr__(self, "norm_eps", check_scalar("norm_eps", self.norm_eps, positive=True))
         if self.attn_alpha is not None:
             object.__setattr__(self, "attn_alpha", check_scalar("attn_alpha", self.attn_alpha))
@@ -156,14 +156,15 @@ class GRModelConfig:
         elif self.hstu_norm is not None and self.hstu_norm != "batch":
             object.__setattr__(self, "hstu_norm", check_scalar("hstu_norm (a number or 'batch')", self.hstu_norm,
                                                                positive=True))
-        _int("num_context_tokens", self.num_context_tokens, 0)
-        _int("context_vocab_size", self.context_vocab_size, 1 if self.num_context_tokens else 0)
+        object.__setattr__(self, "num_context_tokens", _int("num_context_tokens", self.num_context_tokens, 0))
+        object.__setattr__(self, "context_vocab_size", _int("context_vocab_size", self.context_vocab_size,
+                                                            1 if self.num_context_tokens else 0))
         if self.num_context_tokens >= self.max_seq_len:
             raise ValueError(f"num_context_tokens must be < max_seq_len ({self.max_seq_len}) to leave room for a "
                              f"behavior, got {self.num_context_tokens}")
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", 4 * self.hidden_dim)
-        _int("ffn_dim", self.ffn_dim, 1)
+        object.__setattr__(self, "ffn_dim", _int("ffn_dim", self.ffn_dim, 1))
 
     @property
     def attention_scale(self) -> float:

@@ -108,10 +108,10 @@ class GRRanker(nn.Module):
         Raises
         ------
         ValueError
-            Not a :class:`Behaviors`; wrong device; empty history; more than ``max_seq_len`` history tokens; ids
-            out of range; missing or misshaped contextual tokens; candidates not a non-empty 1-D int64 tensor on
-            the model's device with ids in ``[0, num_items)``; ``request_time`` not an int64 integer, or given
-            for a history without timestamps.
+            Not a :class:`Behaviors`; wrong device; empty history; a negative timestamp; more than
+            ``max_seq_len`` history tokens; ids out of range; missing or misshaped contextual tokens; candidates
+            not a non-empty 1-D int64 tensor on the model's device with ids in ``[0, num_items)``;
+            ``request_time`` not an integer in ``[0, 2**63)``, or given for a history without timestamps.
         """
         cfg = self.config
         t_req = check_request(history, candidates, request_time, self.device)

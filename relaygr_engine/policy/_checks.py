@@ -2,35 +2,23 @@
 from __future__ import annotations
 
 import math
-import operator
 import time
 from typing import Optional
 
+from ..config import check_int
 
-def count(name: str, value, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (bools are refused)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v}")
-    return v
+
+count = check_int  # ``value`` as an int >= ``minimum`` (bools refused); the one integer check
+
+
+def u64(name: str, value) -> int:
+    """An unsigned 64-bit value: an int in ``[0, 2**64)`` (bools are refused)."""
+    return check_int(name, value, 0, 1 << 64)
 
 
 def user_id(value) -> int:
     """A user id: an int in ``[0, 2**64)`` (bools are refused)."""
-    if isinstance(value, bool):
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {value!r}")
-    try:
-        u = operator.index(value)
-    except TypeError:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {type(value).__name__}") from None
-    if not 0 <= u < 1 << 64:
-        raise ValueError(f"user_id must be an integer in [0, 2**64), got {u}")
-    return u
+    return u64("user_id", value)
 
 
 def number(name: str, value, *, low: float = -math.inf, high: float = math.inf,
@@ -40,7 +28,7 @@ def number(name: str, value, *, low: float = -math.inf, high: float = math.inf,
         raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         v = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
     below = v <= low if low_open else v < low
     above = v >= high if high_open else v > high

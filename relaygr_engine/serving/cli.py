@@ -6,6 +6,11 @@ node's metrics export port, :mod:`relaygr_engine.serving.metrics`), and blocks u
 ``--duration`` seconds).
 Endpoints: ``POST {prefix}prefill``, ``POST {prefix}rank`` (JSON), ``GET {prefix}stats``; the route key goes in the
 ``x-session-id`` header (see docs/ray_serve.md). Needs ``pip install 'relaygr-engine[ray]'``.
+
+Local mode listens on loopback only: Ray's node IP is 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set
+before Ray is imported, so that Ray does not replace 127.0.0.1 by the machine's address; then its GCS, raylet, agents
+and workers bind 127.0.0.1), no dashboard, and Serve's HTTP proxy on ``--host`` (127.0.0.1). Serving other machines
+is explicit: ``--address`` joins a cluster started with ``ray start``, ``--host 0.0.0.0`` opens the HTTP port.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentPar
                         require_modules)
 
 _DEVICES = ("cpu", "cuda")
+_LOCAL_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray keeps 127.0.0.1 as its node IP
+_LOOPBACK = "127.0.0.1"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-pending-prefills", type=POSITIVE_INT, default=None,
                    help="pre-infers a replica holds at once; more are rejected and forwarded (default: no bound)")
     e.add_argument("--torch-threads", type=POSITIVE_INT, default=1, help="torch threads per replica (1)")
+    lim = p.add_argument_group("request limits (checked before a request is parsed into tensors)")
+    lim.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20, help="HTTP body bytes; past it 413 (1 MiB)")
+    lim.add_argument("--max-json-depth", type=POSITIVE_INT, default=8,
+                     help="nested JSON arrays and objects, <= 256 (8)")
+    lim.add_argument("--max-candidates", type=POSITIVE_INT, default=4096, help="candidates per ranking (4096)")
+    lim.add_argument("--max-history", type=POSITIVE_INT, default=None,
+                     help="entries per history list (default: the model's max_seq_len)")
     r = p.add_argument_group("routing")
     r.add_argument("--load-factor", type=Number(float, 1.0), default=1.25, help="bounded-load factor, >= 1 (1.25)")
     r.add_argument("--stats-period-s", type=POSITIVE, default=0.5, help="replica stats poll period (0.5)")
@@ -67,12 +81,15 @@ def _parser() -> argparse.ArgumentParser:
 def _spec(args):
     from ..config import CacheConfig
     from .ray_serve import ReplicaSpec
+    from .wire import RequestLimits
 
     cache = CacheConfig(device=args.device, page_size=args.page_size, num_pages=args.num_pages,
                         max_pinned_fraction=args.max_pinned_fraction, lease_ttl_s=args.lease_ttl_s)
     return ReplicaSpec(model=dict(args.model), seed=args.seed, state_dict_path=args.state_dict, cache=cache,
                        trigger=args.trigger, latency_profile=args.latency_profile, torch_threads=args.torch_threads,
-                       max_pending_prefills=args.max_pending_prefills)
+                       max_pending_prefills=args.max_pending_prefills,
+                       limits=RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                                            max_candidates=args.max_candidates, max_history=args.max_history))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -85,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.metrics_port is not None and args.address is not None:
         parser.error("--metrics-port sets the port of a local Ray instance; a cluster's nodes (--address) export "
                      "metrics on the ports they were started with")
+    if args.address is None:  # read by Ray when it is imported (see the module docstring)
+        os.environ[_LOCAL_NODE_ENV] = "0"
     require_modules(parser, ["ray.serve"], "ray", "relaygr serve")
     import ray
     from ray import serve
@@ -118,9 +137,15 @@ def _serve(args, spec, ray, serve) -> int:
     if ray.is_initialized():  # called from a driver that is already connected
         where = "the Ray instance this process is connected to"
     elif args.address is None:
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address=_LOOPBACK,
                  _metrics_export_port=args.metrics_port)
         started_ray, where = True, "a local Ray instance (127.0.0.1)"
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != _LOOPBACK:  # Ray was imported before the environment was set (a caller's process)
+            ray.shutdown()
+            print(f"relaygr serve: the local Ray node took the address {node_ip}, not {_LOOPBACK}; run relaygr serve "
+                  f"in its own process or set {_LOCAL_NODE_ENV}=0 before importing ray", file=sys.stderr)
+            return 2
     else:
         ray.init(address=args.address)
         where = f"the Ray cluster at {args.address}"

@@ -91,6 +91,10 @@ class ReplicaSpec:
     max_pending_prefills : int, optional
         Pre-infers a replica holds at once (queued or running, >= 1); one more is rejected immediately. None: no
         bound.
+    limits : RequestLimits or dict
+        What one request may hold (body bytes, JSON nesting, candidates, history entries), checked before it is
+        parsed into tensors (:class:`~relaygr_engine.serving.wire.RequestLimits`; default: its defaults, with the
+        history bounded by the model's ``max_seq_len``).
     """
 
     model: Union[GRModelConfig, dict]
@@ -101,9 +105,11 @@ class ReplicaSpec:
     latency_profile: Optional[str] = None
     torch_threads: int = 1
     max_pending_prefills: Optional[int] = None
+    limits: Union[wire.RequestLimits, dict] = wire.RequestLimits()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _from(GRModelConfig, "model", self.model))
+        object.__setattr__(self, "limits", _from(wire.RequestLimits, "limits", self.limits))
         object.__setattr__(self, "cache", _from(CacheConfig, "cache", self.cache))
         if self.trigger is not None:
             object.__setattr__(self, "trigger", _from(TriggerConfig, "trigger", self.trigger))
@@ -157,6 +163,8 @@ class RelayReplica:
         self.spec = spec
         self.engine = spec.build_engine()
         self.device = torch.device(spec.cache.device)
+        self.limits = spec.limits
+        self.max_history = spec.limits.max_history or spec.model.max_seq_len
         self.replica_id, self.actor_name = _replica_identity()
         self.metrics = EngineMetrics.ray_serve() if self.actor_name is not None else None
         self._inflight_prefills = 0
@@ -167,7 +175,7 @@ class RelayReplica:
     def _parse(self, body) -> tuple:
         if not isinstance(body, Mapping):
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
-        return parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device)
+        return parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device, self.max_history)
 
     def _engine_call(self, fn, *args):
         """``fn(*args)`` on the engine, then (with metrics) its counters exported, in the calling thread."""
@@ -217,7 +225,7 @@ class RelayReplica:
         """Score the candidates of ``body`` over the longest prefix this replica holds (exact either way)."""
         started = time.perf_counter()
         user, history = self._parse(body)
-        cands = wire.candidates_from_json(body, self.device)
+        cands = wire.candidates_from_json(body, self.device, self.limits.max_candidates)
         ticket = None
         if body.get("ticket") is not None:
             ticket, issuer = wire.ticket_from_json(body["ticket"])
@@ -263,9 +271,25 @@ class RelayReplica:
                 "accepts_prefill": (pinned < budget) and not busy}
 
     # ---------------------------------------------------------------------------------------- HTTP
+    async def _read_json(self, request) -> Any:
+        """The request's JSON body, within ``spec.limits``: a declared or streamed size past ``max_body_bytes``
+        stops the read (:class:`~relaygr_engine.serving.wire.RequestTooLarge`)."""
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise ValueError(f"Content-Length must be a byte count, got {declared!r}")
+            self.limits.check_body_size(int(declared))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            self.limits.check_body_size(size)
+            chunks.append(chunk)
+        return wire.parse_body(b"".join(chunks), self.limits)
+
     async def __call__(self, request):
         """``POST .../prefill``, ``POST .../rank`` (JSON bodies), ``GET .../stats``; errors are JSON
-        ``{"error": ...}`` with status 400 (bad input) or 404 (unknown path)."""
+        ``{"error": ...}`` with status 413 (body past ``max_body_bytes``), 400 (other bad input, limits included)
+        or 404 (unknown path)."""
         from starlette.responses import JSONResponse
 
         endpoint = request.url.path.rstrip("/").rsplit("/", 1)[-1]
@@ -273,13 +297,11 @@ class RelayReplica:
             if endpoint == "stats" and request.method == "GET":
                 return JSONResponse(await self.stats())
             if endpoint in ("prefill", "rank") and request.method == "POST":
-                try:
-                    body = await request.json()
-                except ValueError as e:
-                    raise ValueError(f"request body must be JSON: {e}") from None
+                body = await self._read_json(request)
                 return JSONResponse(await (self.prefill(body) if endpoint == "prefill" else self.rank(body)))
         except ValueError as e:
-            return JSONResponse({"error": str(e), "replica": self.replica_id}, status_code=400)
+            status = 413 if isinstance(e, wire.RequestTooLarge) else 400
+            return JSONResponse({"error": str(e), "replica": self.replica_id}, status_code=status)
         return JSONResponse({"error": f"unknown endpoint {request.method} {request.url.path}; valid: POST /prefill, "
                                       "POST /rank, GET /stats"}, status_code=404)
 

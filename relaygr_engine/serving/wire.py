@@ -32,28 +32,121 @@ Rank reply::
 ``scores`` is ``[C][num_tasks]`` (fp32 values as JSON numbers); ``source`` is ``"hbm"``, ``"dram"`` or
 ``"recompute"``; ``ticket_used`` is false when no ticket came or it was issued by another replica (the user was
 re-routed, e.g. after a replica failure): that ranking computes what this replica does not hold.
+
+Limits (:class:`RequestLimits`): an HTTP body is refused past ``max_body_bytes`` (from its Content-Length, or while
+it is read) and past ``max_json_depth`` nested arrays and objects (counted on the raw bytes) before it is parsed as
+JSON; a history list past ``max_history`` entries and candidates past ``max_candidates`` are refused before any
+tensor is made. Each refusal is a :class:`RequestTooLarge` (HTTP 413) or another ``ValueError`` (HTTP 400) that
+names the limit.
 """
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
+from ..config import check_int
 from ..engine import PrefixTicket, RankResult
 from ..models import Behaviors
 from .route_key import RouteKey, parse_user_id
 
-__all__ = ["REJECT_REASONS", "behaviors_to_json", "behaviors_from_json", "ticket_to_json", "ticket_from_json",
-           "candidates_from_json", "prefill_reply", "rank_reply"]
+__all__ = ["REJECT_REASONS", "RequestLimits", "RequestTooLarge", "behaviors_to_json", "behaviors_from_json",
+           "ticket_to_json", "ticket_from_json", "candidates_from_json", "json_depth", "parse_body", "prefill_reply",
+           "rank_reply"]
+
+MAX_JSON_DEPTH = 256
+"""The most nesting :class:`RequestLimits` may allow (Python's JSON parser recurses once per level)."""
+
+
+class RequestTooLarge(ValueError):
+    """A request body past ``RequestLimits.max_body_bytes`` (HTTP 413)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds every request is held to before it is parsed into tensors.
+
+    Parameters
+    ----------
+    max_body_bytes : int
+        HTTP request body, in bytes (default 1 MiB): a larger Content-Length is refused before the body is read, a
+        body that grows past it while read is refused there (413).
+    max_json_depth : int
+        Nested JSON arrays and objects in ``[1, 256]`` (default 8; a request needs 3).
+    max_candidates : int
+        Candidates of a ranking (default 4096).
+    max_history : int, optional
+        Entries of each history list (``item_ids``, ``action_ids``, ``timestamps``, ``context_ids``); None (default)
+        takes the model's ``max_seq_len``.
+    """
+
+    max_body_bytes: int = 1 << 20
+    max_json_depth: int = 8
+    max_candidates: int = 4096
+    max_history: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_candidates"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        if self.max_json_depth > MAX_JSON_DEPTH:
+            raise ValueError(f"max_json_depth must be in [1, {MAX_JSON_DEPTH}], got {self.max_json_depth}")
+        if self.max_history is not None:
+            object.__setattr__(self, "max_history", check_int("max_history", self.max_history, 1))
+
+    def check_body_size(self, num_bytes: int) -> None:
+        """RequestTooLarge when a body of ``num_bytes`` bytes (declared or read so far) is past the limit."""
+        if num_bytes > self.max_body_bytes:
+            raise RequestTooLarge(f"request body must be at most max_body_bytes={self.max_body_bytes} bytes, got "
+                                  f"{num_bytes} bytes or more")
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of arrays and objects in JSON text ``raw`` (brackets inside strings do not count).
+
+    Linear in ``len(raw)``, no recursion: safe to run on any body before it is parsed.
+    """
+    b = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = np.isin(b, _OPENERS).astype(np.int32) - np.isin(b, _CLOSERS)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_body(raw: bytes, limits: RequestLimits) -> Any:
+    """The JSON value of a request body, after its size and nesting are checked against ``limits``.
+
+    Raises
+    ------
+    RequestTooLarge
+        More than ``max_body_bytes`` bytes.
+    ValueError
+        Nested deeper than ``max_json_depth``, or not JSON.
+    """
+    limits.check_body_size(len(raw))
+    depth = json_depth(raw)
+    if depth > limits.max_json_depth:
+        raise ValueError(f"request body must nest JSON arrays and objects at most max_json_depth="
+                         f"{limits.max_json_depth} deep, got {depth}")
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers past Python's digit limit
+        raise ValueError(f"request body must be JSON: {e}") from None
 
 REJECT_REASONS = frozenset({"pool_full", "trigger:footprint", "trigger:load", "replica:busy"})
 """Prefill reasons that mean "not now, try the next replica" (``replica:busy``: pending pre-infers at the bound)."""
 
 
-def _ids(name: str, value) -> torch.Tensor:
+def _ids(name: str, value, limit: Optional[int] = None, limit_name: str = "") -> torch.Tensor:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of integers, got {type(value).__name__}")
+    if limit is not None and len(value) > limit:
+        raise ValueError(f"{name} must hold at most {limit_name}={limit} entries, got {len(value)}")
     if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in value):
         bad = next(v for v in value if isinstance(v, bool) or not isinstance(v, (int, np.integer)))
         raise ValueError(f"{name} must be a list of integers, got an element {bad!r}")
@@ -79,23 +172,25 @@ def behaviors_to_json(history: Behaviors) -> dict:
     return out
 
 
-def behaviors_from_json(body: Mapping[str, Any], device="cpu") -> Behaviors:
-    """The history of a request body; ValueError naming the field when it is malformed."""
+def behaviors_from_json(body: Mapping[str, Any], device="cpu", max_history: Optional[int] = None) -> Behaviors:
+    """The history of a request body; ValueError naming the field when it is malformed or a list holds more than
+    ``max_history`` entries (checked before any tensor is made)."""
     if not isinstance(body, Mapping):
         raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
     if "item_ids" not in body:
         raise ValueError("request body must have item_ids (the history, oldest first)")
-    fields = {"item_ids": _ids("item_ids", body["item_ids"]).to(device)}
-    for name in ("action_ids", "timestamps", "context_ids"):
+    fields = {}
+    for name in ("item_ids", "action_ids", "timestamps", "context_ids"):
         if body.get(name) is not None:
-            fields[name] = _ids(name, body[name]).to(device)
+            fields[name] = _ids(name, body[name], max_history, "max_history").to(device)
     return Behaviors(**fields)
 
 
-def candidates_from_json(body: Mapping[str, Any], device="cpu") -> torch.Tensor:
+def candidates_from_json(body: Mapping[str, Any], device="cpu", max_candidates: Optional[int] = None) -> torch.Tensor:
+    """The candidates of a rank request body (at most ``max_candidates``, checked before the tensor is made)."""
     if body.get("candidates") is None:
         raise ValueError("a rank request must have candidates (a list of item ids)")
-    return _ids("candidates", body["candidates"]).to(device)
+    return _ids("candidates", body["candidates"], max_candidates, "max_candidates").to(device)
 
 
 def ticket_to_json(ticket: PrefixTicket, replica: str) -> dict:
