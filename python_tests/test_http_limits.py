@@ -103,10 +103,14 @@ def test_limits_are_validated_and_parse_body_checks_before_json():
 def test_serve_cli_checks_limits_before_starting_ray(capsys):
     from relaygr_engine.serving.cli import main
 
-    assert main(["--max-json-depth", "300"]) == 2
-    assert "max_json_depth must be in [1, 256], got 300" in capsys.readouterr().err
-    assert main(["--max-candidates", "0"]) == 2
-    assert "max_candidates must be an integer >= 1" in capsys.readouterr().err
+    for argv, message in ((["--max-json-depth", "300"], "--max-json-depth must be in [1, 256], got 300"),
+                          (["--max-candidates", "0"], "--max-candidates: expected an integer >= 1, got 0"),
+                          (["--max-pinned-fraction", "2"], "--max-pinned-fraction must be")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err  # one line naming the flag
 
 
 class _Request:

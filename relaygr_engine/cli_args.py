@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from typing import NoReturn, Optional, Sequence
 
 __all__ = ["ArgumentParser", "HelpFormatter", "Number", "COUNT", "POSITIVE_INT", "NON_NEGATIVE", "POSITIVE",
@@ -171,3 +172,13 @@ def require_modules(parser: argparse.ArgumentParser, modules: Sequence[str], ext
     if missing:
         parser.error(f"{why} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
                      f"installed: pip install 'relaygr-engine[{extra}]'")
+
+
+def in_flags(parser: argparse.ArgumentParser, message: str) -> str:
+    """``message`` (from a config object's check) with each option's field name replaced by its flag, so that a
+    usage error speaks in what the user typed (``max_json_depth`` -> ``--max-json-depth``)."""
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if flags and action.dest != "help":
+            message = re.sub(rf"(?<![\w-]){re.escape(action.dest)}\b", flags[0], message)
+    return message

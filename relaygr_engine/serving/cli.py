@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Optional
 
-from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, Number, json_object,
+from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, Number, in_flags, json_object,
                         require_modules)
 
 _DEVICES = ("cpu", "cuda")
@@ -98,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         spec = _spec(args)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
+        parser.error(in_flags(parser, str(e)))
     if args.metrics_port is not None and args.address is not None:
         parser.error("--metrics-port sets the port of a local Ray instance; a cluster's nodes (--address) export "
                      "metrics on the ports they were started with")
