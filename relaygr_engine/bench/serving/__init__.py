@@ -38,17 +38,31 @@ PrefillOutcome`` (both do the real work), ``wants_prefill`` (False for the basel
 ``engine.prefill_prefix`` for pre-infers and ``engine.rank_with_prefix`` (with the request's ticket when its
 pre-infer completed) for rankings.
 
+Several workers
+---------------
+``simulate`` also takes a list of :class:`Worker` (:mod:`.workers`): K devices, each with its own service and
+cache, share the virtual clock; the loop always advances the worker that is free first. A user's pre-infer and
+ranking go to its rendezvous-first worker (co-located), or to its pre-infer worker and its ranking worker when the
+pool is disaggregated (:mod:`.disaggregate`: the packed prefix is shipped, and the measured pack + copy + unpack
+is charged to the transfer). Rankings are batched continuously (:mod:`.batching`): a free worker serves what is
+queued, up to a batch size and a token budget, as one ``rank_with_prefix_batch`` call.
+
 Modules
 -------
 :mod:`.services` (outcomes, the service protocol, request tensors, the baseline), :mod:`.relay` (the relay policy
-and its trigger hook), :mod:`.clock` (the one-worker loop on a virtual clock and :class:`RunResult`).
+and its trigger hook), :mod:`.disaggregate` (pre-infer-only workers and the transfer), :mod:`.workers` (workers,
+roles, placement), :mod:`.batching` (continuous batching), :mod:`.clock` (the loop and :class:`RunResult`).
 """
 from __future__ import annotations
 
+from .batching import BatchPolicy
 from .clock import RunResult, simulate
+from .disaggregate import PreInferService, disaggregated_workers
 from .relay import RelayService, TriggerHook
 from .services import (BaselineImpl, BaselineService, Mode, PrefillOutcome, RankOutcome, Service, cpu_timer,
                        to_behaviors)
+from .workers import Role, Worker
 
 __all__ = ["Mode", "BaselineImpl", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "RelayService",
-           "TriggerHook", "RunResult", "simulate", "to_behaviors", "cpu_timer"]
+           "TriggerHook", "RunResult", "simulate", "to_behaviors", "cpu_timer", "BatchPolicy", "Role", "Worker",
+           "PreInferService", "disaggregated_workers"]

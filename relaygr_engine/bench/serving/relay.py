@@ -137,16 +137,45 @@ class RelayService:
             self.hook.finish(req, now)
 
     def rank(self, req: Request, now: float) -> RankOutcome:
+        return self.rank_batch([req], now)[0]
+
+    def rank_batch(self, reqs: list[Request], now: float) -> list[RankOutcome]:
+        """Rank ``reqs`` in one varlen forward (``engine.rank_with_prefix_batch``), each with its ticket."""
         import torch
 
-        hist, cands = self._t.get(req)
+        from ...engine import RankRequest
+
         self._now = now
-        ticket = self._tickets.pop(req.index, None)
+        batch = []
+        for req in reqs:
+            hist, cands = self._t.get(req)
+            batch.append(RankRequest(req.user_id, hist, cands, self._tickets.pop(req.index, None), req.request_ts))
         with torch.inference_mode():
-            res = self.engine.rank_with_prefix(user_id=req.user_id, history=hist, candidates=cands,
-                                               ticket=ticket, request_time=req.request_ts, now=now)
-        _sync(res.scores)
-        return RankOutcome(str(res.source), int(res.cached_tokens), int(res.computed_tokens))
+            results = self.engine.rank_with_prefix_batch(batch, now=now)
+        _sync(results[-1].scores)
+        return [RankOutcome(str(r.source), int(r.cached_tokens), int(r.computed_tokens)) for r in results]
+
+    def export(self, req: Request, now: float):
+        """Pack the request's pre-inferred prefix for another worker (``engine.export_prefix``), ending its lease
+        here; None when it has no admitted ticket or the entry is gone."""
+        ticket = self._tickets.pop(req.index, None)
+        if ticket is None:
+            return None
+        hist, _ = self._t.get(req)
+        packed = self.engine.export_prefix(ticket, hist.prefix(ticket.num_tokens), now=now)
+        _sync(None)
+        return packed
+
+    def receive(self, req: Request, packed, now: float) -> PrefillOutcome:
+        """Store the request's prefix shipped by a pre-infer worker (``engine.import_prefix``); its ticket goes to
+        the ranking."""
+        hist, _ = self._t.get(req)
+        self._now = now
+        ticket = self.engine.import_prefix(hist.prefix(packed.num_tokens), packed, now=now)
+        _sync(None)
+        if ticket.admitted:
+            self._tickets[req.index] = ticket
+        return PrefillOutcome(ticket.admitted, ticket.reason)
 
     def stats(self) -> dict:
         s = dict(self.engine.stats())      # includes the trigger's counters when the engine has one

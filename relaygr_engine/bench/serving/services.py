@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -42,12 +42,15 @@ class PrefillOutcome:
     """What a pre-infer call reports: admitted (its prefix part is cached and leased) or not, and why.
 
     ``remaining``: a chunk was cached and more of the prefix is left (the worker calls again unless the ranking
-    request arrives first).
+    request arrives first). ``payload``: the packed prefix a pre-infer-only worker ships to the ranking worker
+    (``service.ship(payload)`` copies it there), with ``pack_s`` the measured time its packing took.
     """
 
     admitted: bool
     reason: str = ""
     remaining: bool = False
+    payload: Any = None
+    pack_s: float = 0.0
 
 
 class Service(Protocol):
@@ -123,6 +126,7 @@ class BaselineService:
         self.impl = parse_choice(BaselineImpl, impl, "impl")
         self._rank = model.rank_uncached if self.impl is BaselineImpl.PAGED else model.rank_full
         self._t = _Tensors(device)
+        self._engine = None
 
     def prepare(self, requests) -> None:
         self._t.prepare(requests)
@@ -135,6 +139,33 @@ class BaselineService:
             scores = self._rank(hist, cands, request_time=req.request_ts)
         _sync(scores)
         return RankOutcome("full", 0, req.history_len + int(cands.shape[0]))
+
+    def rank_batch(self, reqs: list[Request], now: float) -> list[RankOutcome]:
+        """Full inference of ``reqs`` in one varlen forward: a cache-less engine's batch (every prefix computed).
+
+        The paged implementation only; ValueError for ``impl="dense"`` (one request per call).
+        """
+        import torch
+
+        from ...engine import RankRequest
+
+        if self.impl is not BaselineImpl.PAGED:
+            raise ValueError(f"a batched baseline needs impl='paged', got impl={self.impl.value!r}")
+        batch = [RankRequest(r.user_id, *self._t.get(r), None, r.request_ts) for r in reqs]
+        with torch.inference_mode():
+            results = self._uncached().rank_with_prefix_batch(batch, now=now)
+        _sync(results[-1].scores)
+        return [RankOutcome("full", 0, r.history_len + int(r.candidates.shape[0])) for r in reqs]
+
+    def _uncached(self):
+        """An engine that caches nothing (one page, no stores, no extensions): batched full inference."""
+        if self._engine is None:
+            from ...config import CacheConfig
+            from ...engine import RelayEngine
+
+            cache = CacheConfig(device=self._t.device, page_size=16, num_pages=1)
+            self._engine = RelayEngine(self.model, cache, extend_on_rank=False, store_misses=False)
+        return self._engine
 
     def prefill(self, req: Request, now: float) -> PrefillOutcome:
         raise AssertionError("the baseline never pre-infers")
