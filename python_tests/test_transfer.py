@@ -88,3 +88,14 @@ def test_import_is_refused_when_the_pinned_budget_is_taken_and_export_of_an_evic
     tk = short.prefill_prefix(1, history(1, 30), now=0.0)
     assert short.prefill_prefix(2, history(2, 40), now=5.0).admitted  # user 1's lease ran out: evicted (4+5 > 8)
     assert short.export_prefix(tk, history(1, 30), now=5.0) is None
+
+
+def test_bench_transfer_reports_bytes_per_prefix_and_a_result_line(capsys):
+    from relaygr_engine import cli
+
+    assert cli.main(["bench", "transfer", "--lengths", "40", "--repeats", "1", "--threads", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    r = dict(kv.split("=", 1) for kv in line.split()[1:])
+    # 2 layers x (K, V) x 48 page-padded tokens x 2 heads x 32 dims x 4 bytes, plus 40 int64 timestamps
+    assert line.startswith("RESULT ") and int(r["bytes"]) == 2 * 2 * 48 * 2 * 32 * 4 + 40 * 8
+    assert float(r["transfer_gbps"]) > 0 and float(r["plain_copy_gbps"]) > 0
