@@ -17,7 +17,7 @@ import numpy as np
 
 from ..workload import Workload
 from .batching import BatchPolicy
-from .services import RankOutcome, Service
+from .services import Service
 from .workers import Role, Worker, place
 
 __all__ = ["RunResult", "simulate"]
