@@ -6,15 +6,18 @@ Every mode is served by the same K workers (devices) on the same trace. ``baseli
 (:mod:`relaygr_engine.bench.serving.disaggregate`). Rankings are batched continuously up to ``--max-batch``
 requests and ``--batch-tokens`` tokens. The crossover compares each P with the co-located relay at the same K:
 SLO-compliant throughput, the longest history within the SLO, and the smallest P from which disaggregation is at
-least as good.
+least as good, beside the P that the ratio policy (:mod:`relaygr_engine.policy.ratio`) derives from the
+co-located run's measured service rates.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Optional
 
+from ..policy.ratio import ServiceRates, split
 from .serving import (BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role, TriggerHook,
                       Worker, disaggregated_workers)
 
@@ -121,13 +124,34 @@ def crossover(results: dict, colocated: str, ps: list[int], workers: int) -> dic
                      "qps_vs_colocated": None if q is None or not base_q else q / base_q,
                      "len_vs_colocated": None if L is None or not base_l else L / base_l})
     wins = [r["P"] for r in rows if r["qps_vs_colocated"] is not None and r["qps_vs_colocated"] >= 1.0]
+    rates = measured_rates(results[colocated].get("at_ref", {}))
     return {"workers": workers, "colocated": colocated, "colocated_slo_qps": base_q, "colocated_max_len": base_l,
-            "rows": rows, "crossover_p": min(wins) if wins else None}
+            "rows": rows, "crossover_p": min(wins) if wins else None,
+            "policy_p": None if rates is None or workers < 2 else split(workers, rates)[0],
+            "rates": None if rates is None else dataclasses.asdict(rates)}
+
+
+def measured_rates(summary: dict) -> Optional[ServiceRates]:
+    """Per-request service rates of a co-located relay run (``summarize``'s dict): a pre-infer's mean time, a
+    ranking's (its share of the worker time), and the share of requests pre-inferred; None without data."""
+    pf, n = summary.get("prefill", {}), summary.get("completed", 0)
+    ran = pf.get("started", 0) - sum(pf.get("refused", {}).values())   # pre-infers that computed a prefix
+    signals = pf.get("signals", 0)
+    if not n or ran <= 0 or not signals:
+        return None
+    prefill_s = pf["service_s"] / ran
+    rank_s = (summary["work_ms_per_request"] * 1e-3 * n - pf["service_s"]) / n
+    if prefill_s <= 0 or rank_s <= 0:
+        return None
+    return ServiceRates(prefill_s=prefill_s, rank_s=rank_s, prefill_share=min(1.0, ran / signals))
 
 
 def crossover_markdown(cx: dict) -> str:
     """The crossover section of the report."""
-    from .report import _fmt, _table
+    from .report import _fmt as fmt, _table
+
+    def _fmt(v):
+        return "-" if v is None else fmt(v)
 
     rows = [[r["P"], r["R"], _fmt(r["slo_qps"]), _fmt(r["qps_vs_colocated"]), _fmt(r["max_len"]),
              _fmt(r["len_vs_colocated"])] for r in cx["rows"]]
@@ -137,8 +161,16 @@ def crossover_markdown(cx: dict) -> str:
              f"{cx['workers']}." if cx["crossover_p"] is not None else
              f"Disaggregation does not reach the co-located SLO-compliant throughput at any P of {cx['workers']} "
              f"workers here.")
+    policy = ("" if cx.get("policy_p") is None else
+              f"The ratio policy (n_p b_p / T_p ~= s n_d b_d / T_d from the co-located run's measured service "
+              f"rates at the reference QPS: {_rates(cx['rates'])}) picks P = {cx['policy_p']} of {cx['workers']}.")
     return "\n".join([_table(["P (pre-infer)", "R (ranking)", "SLO-compliant QPS", "vs co-located", "max history",
-                              "vs co-located"], rows), "", where, "", "![crossover](crossover.png)", ""])
+                              "vs co-located"], rows), "", where, "", policy, "", "![crossover](crossover.png)", ""])
+
+
+def _rates(r: dict) -> str:
+    return (f"T_p {r['prefill_s'] * 1e3:.1f} ms per pre-infer, T_d {r['rank_s'] * 1e3:.1f} ms per ranking, "
+            f"s = {r['prefill_share']:.2f}")
 
 
 def plot_crossover(cx: dict, path) -> Path:
