@@ -120,6 +120,9 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--pipeline-delay-ms", type=float, default=50.0, help="retrieval-to-ranking delay")
     g.add_argument("--num-items", type=int, default=8192, help="model item vocabulary (ids remapped into it)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: one whole run per seed (in --out/seedN), reported as the median "
+                        "with min and max (relaygr_engine.bench.seeds)")
     g = ap.add_argument_group("serving")
     g.add_argument("--slo-ms", type=float, default=100.0, help="P99 ranking latency objective")
     g.add_argument("--modes", default="baseline,relay",
@@ -629,6 +632,10 @@ def print_table(report: dict) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.seeds:
+        from . import seeds
+        seeds.print_summary(seeds.run_seeds(args, run), args.out)
+        return 0
     report = run(args)
     print()
     print(report["headline"])
