@@ -23,7 +23,7 @@ CFG = rg.GRModelConfig(attention="hstu", num_layers=1, hidden_dim=32, num_heads=
                        num_actions=4, max_seq_len=256, num_tasks=2)
 SEED = 5
 USERS = 36
-ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
+ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": None, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
        "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0", "OMP_NUM_THREADS": "1"}
 
 
@@ -47,23 +47,31 @@ def _start_ray(kind: str):
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False, object_store_memory=80 * 2 ** 20)
         return None, {}
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    # Ray resolves a loopback GCS address to the machine's outward IP for every node after the head; in
+    # single-machine mode (the switch Ray keeps for macOS and Windows) it stays on 127.0.0.1.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"prefill_node": 2}, "node_ip_address": "127.0.0.1",
         "include_dashboard": False, "object_store_memory": 80 * 2 ** 20})
     cluster.add_node(num_cpus=1, resources={"rank_node": 3}, node_ip_address="127.0.0.1",
                      object_store_memory=80 * 2 ** 20)
-    ray.init(address=cluster.address, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address, log_to_driver=False)
     return cluster, {"prefill_resources": {"prefill_node": 1}, "rank_resources": {"rank_node": 1}}
 
 
 @pytest.fixture(scope="module", params=["one_node", "two_nodes"])
 def app(request):
     saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
+    os.environ.update({k: v for k, v in ENV.items() if v is not None})
     import ray
     from ray import serve
+    from ray._private import ray_constants
+
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
 
     from relaygr_engine.serving.client import RelayClient
     from relaygr_engine.serving.disaggregated import run_disaggregated
@@ -80,11 +88,13 @@ def app(request):
                "ray": ray, "model": rg.build_ranker(CFG, seed=SEED), "kind": request.param}
     finally:
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
         finally:
             ray.shutdown()
             if cluster is not None:
                 cluster.shutdown()
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
