@@ -19,31 +19,14 @@ per_page_vs_packed=...`` for the longest length.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Optional
 
 import torch
 
 import relaygr_engine as rg
 
-from .common import emit_result, environment, percentile
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms."""
-    out = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return percentile(out, 50)
+from .common import emit_result, environment
+from .tiers import _time as _time_ms
 
 
 def _history(L: int, num_items: int) -> rg.Behaviors:

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional
 
 from ..policy import _checks
 from . import wire
-from .ray_serve import RelayReplica, ReplicaSpec, _replica_identity
+from .ray_serve import RelayReplica, ReplicaSpec
 from .route_key import RouteKey
 
 __all__ = ["PrefillReplica", "RankReplica", "build_disaggregated_app", "run_disaggregated", "pool_autoscaling",
@@ -47,12 +47,16 @@ PREFILL_DEPLOYMENT = "RelayPrefill"
 RANK_DEPLOYMENT = "RelayRank"
 
 
-def _node_id() -> str:
-    import ray
-    return ray.get_runtime_context().get_node_id()
+class _OnNode:
+    """Adds the Ray node to a replica's ``describe``."""
+
+    async def describe(self) -> dict:
+        """:meth:`RelayReplica.describe` plus the Ray node it runs on."""
+        import ray
+        return dict(await super().describe(), node_id=ray.get_runtime_context().get_node_id())
 
 
-class RankReplica(RelayReplica):
+class RankReplica(_OnNode, RelayReplica):
     """A ranking-pool replica: a :class:`~relaygr_engine.serving.ray_serve.RelayReplica` that also receives
     prefixes packed by the pre-infer pool.
 
@@ -68,10 +72,6 @@ class RankReplica(RelayReplica):
         super().__init__(spec)
         self._prefill_handle = prefill_handle
         self._c.update(replica_receives=0, replica_receive_rejections=0, receive_failed=0)
-
-    async def describe(self) -> dict:
-        """:meth:`RelayReplica.describe` plus the Ray node it runs on."""
-        return dict(await super().describe(), node_id=_node_id())
 
     async def receive(self, body: Mapping[str, Any]) -> dict:
         """Store a prefix a pre-infer replica packed: ``body`` has the user, the prefix's behaviors and ``kv``,
@@ -113,8 +113,9 @@ class RankReplica(RelayReplica):
         return await self._prefill_handle.options(method_name="prefill", session_id=key.encode()).remote(dict(body))
 
 
-class PrefillReplica:
-    """A pre-infer-pool replica: pre-infer, pack, hand the buffer to the user's ranking replica.
+class PrefillReplica(_OnNode, RelayReplica):
+    """A pre-infer-pool replica: pre-infer (as a :class:`~relaygr_engine.serving.ray_serve.RelayReplica`, with its
+    bound and trigger), pack, and hand the buffer to the user's ranking replica.
 
     Parameters
     ----------
@@ -128,20 +129,11 @@ class PrefillReplica:
 
     def __init__(self, spec: ReplicaSpec, rank_deployment: str = RANK_DEPLOYMENT, app_name: str = "relaygr",
                  handover_deadline_s: float = 1.0) -> None:
-        import torch
-
-        if not isinstance(spec, ReplicaSpec):
-            raise ValueError(f"spec must be a ReplicaSpec, got {type(spec).__name__}")
         self.deadline_s = _checks.number("handover_deadline_s", handover_deadline_s, low=0.0, low_open=True)
-        torch.set_num_threads(spec.torch_threads)
-        self.spec, self.engine = spec, spec.build_engine()
-        self.device = torch.device(spec.cache.device)
-        self.replica_id, self.actor_name = _replica_identity()
+        super().__init__(spec)
         self._rank_name, self._app = rank_deployment, app_name
         self._rank = None
-        self._inflight_prefills = 0
-        self._c = {"replica_prefill_requests": 0, "replica_prefill_rejections": 0, "replica_busy_rejections": 0,
-                   "handovers": 0, "handover_forwarded": 0, "handover_failed": 0, "handover_bytes": 0}
+        self._c.update(handovers=0, handover_forwarded=0, handover_failed=0, handover_bytes=0)
 
     def _rank_handle(self):
         if self._rank is None:
@@ -152,30 +144,18 @@ class PrefillReplica:
     async def prefill(self, body: Mapping[str, Any]) -> dict:
         """Pre-infer ``body``'s history and hand it to the user's ranking replica; the reply's ``ticket`` names
         that replica, ``rejected`` asks the caller to forward to another pre-infer replica."""
-        if not isinstance(body, Mapping):
-            raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
-        from .route_key import parse_user_id
-
-        user, history = parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device)
-        self._c["replica_prefill_requests"] += 1
-        bound = self.spec.max_pending_prefills
-        if bound is not None and self._inflight_prefills >= bound:
-            self._c["replica_prefill_rejections"] += 1
-            self._c["replica_busy_rejections"] += 1
-            return wire.prefill_reply(None, self.replica_id, user, reason="replica:busy")
-        self._inflight_prefills += 1
-        try:
-            ticket = await asyncio.to_thread(self.engine.prefill_prefix, user, history)
-            packed = (await asyncio.to_thread(self.engine.export_prefix, ticket, history)
-                      if ticket.admitted else None)
-        finally:
-            self._inflight_prefills -= 1
-        if packed is None:
-            reply = wire.prefill_reply(ticket if not ticket.admitted else None, self.replica_id, user,
-                                       reason="evicted_before_pack")
-            self._c["replica_prefill_rejections"] += int(reply["rejected"])
+        reply = await super().prefill(body)
+        if not reply["admitted"]:
             return reply
+        user, history = self._parse(body)
+        ticket, _ = wire.ticket_from_json(reply["ticket"])
+        packed = await asyncio.to_thread(self.engine.export_prefix, ticket, history)
+        if packed is None:  # evicted since: nothing to ship (the ranking computes it)
+            return wire.prefill_reply(None, self.replica_id, user, reason="evicted_before_pack")
         return await self._hand_over(user, body, packed)
+
+    async def rank(self, body: Mapping[str, Any]) -> dict:
+        raise ValueError("the pre-infer pool does not rank: send rankings to the ranking pool")
 
     async def _hand_over(self, user: int, body: Mapping[str, Any], packed) -> dict:
         import ray
@@ -201,24 +181,6 @@ class PrefillReplica:
             reason = "rank_pool_full" if reply is None else reply["reason"]
             return dict(wire.prefill_reply(None, self.replica_id, user, reason=reason), rejected=False)
         return dict(reply, replica=self.replica_id, rank_replica=reply["replica"])
-
-    async def stats(self) -> dict:
-        s = await asyncio.to_thread(self.engine.stats)
-        s.update(self._c)
-        s["replica"] = self.replica_id
-        return s
-
-    async def describe(self) -> dict:
-        """Id, actor name (namespace ``serve``), process id, device and Ray node of this replica."""
-        import os
-        return {"replica": self.replica_id, "actor_name": self.actor_name, "pid": os.getpid(),
-                "device": str(self.device), "node_id": _node_id()}
-
-    def record_routing_stats(self) -> dict:
-        bound = self.spec.max_pending_prefills
-        busy = bound is not None and self._inflight_prefills >= bound
-        return {"replica": self.replica_id, "inflight_prefills": self._inflight_prefills, "inflight_ranks": 0,
-                "accepts_prefill": not busy}
 
 
 def pool_autoscaling(total: int, rates, *, slack: int = 1) -> tuple[dict, dict]:
