@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +37,12 @@ def history(user: int, length: int) -> rg.Behaviors:
 
 def candidates(user: int) -> torch.Tensor:
     return torch.randint(0, CFG.num_items, (6,), generator=torch.Generator().manual_seed(7000 + user))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _start_ray(kind: str):
@@ -82,7 +89,7 @@ def app(request):
     try:
         cluster, placement = _start_ray(request.param)
         rank, prefill = run_disaggregated(spec, prefill_replicas=1, rank_replicas=2, num_cpus=0.25,
-                                          app_name=f"pd_{request.param}", route_prefix=None, stats_period_s=0.2,
+                                          app_name=f"pd_{request.param}", port=_free_port(), stats_period_s=0.2,
                                           **placement)
         yield {"client": RelayClient(rank, prefill_handle=prefill, forward_deadline_s=2.0), "prefill": prefill,
                "ray": ray, "model": rg.build_ranker(CFG, seed=SEED), "kind": request.param}
