@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,8 @@ import torch
 
 import relaygr_engine as rg
 from relaygr_engine.serving.ray_serve import ReplicaSpec
+
+from test_ray_serve import _exact, _free_port
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 pytestmark = [pytest.mark.ray,
@@ -37,12 +38,6 @@ def history(user: int, length: int) -> rg.Behaviors:
 
 def candidates(user: int) -> torch.Tensor:
     return torch.randint(0, CFG.num_items, (6,), generator=torch.Generator().manual_seed(7000 + user))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_ray(kind: str):
@@ -107,10 +102,6 @@ def app(request):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-def _exact(model, h, c, scores) -> float:
-    return (scores - model.rank_full(h, c)).abs().max().item()
 
 
 def test_shipped_prefixes_hit_on_the_ranking_pool_and_a_killed_pre_infer_replica_loses_nothing(app):
