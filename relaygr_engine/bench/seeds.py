@@ -86,6 +86,33 @@ def render(summary: dict, seeds: list[int], setup: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_crossover(cx: dict, workers, path) -> str:
+    """Disaggregated / co-located SLO-compliant throughput and longest history per P: medians over seeds with
+    min..max bars, 1 = co-located."""
+    plt = rpt._pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ps = [r["P"] for r in cx["rows"]]
+    for k, (key, label) in enumerate((("qps_vs_colocated", "SLO-compliant QPS"),
+                                      ("len_vs_colocated", "longest history"))):
+        med = [r[key]["median"] for r in cx["rows"]]
+        if any(m is None for m in med):
+            continue
+        lo = [m - r[key]["min"] for m, r in zip(med, cx["rows"])]
+        hi = [r[key]["max"] - m for m, r in zip(med, cx["rows"])]
+        ax.bar([p + (k - 0.5) * 0.35 for p in ps], med, width=0.35, yerr=[lo, hi], capsize=4, color=f"C{k}",
+               label=label)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="co-located")
+    ax.set_xticks(ps)
+    ax.set_xlabel(f"pre-infer workers P of K = {workers}")
+    ax.set_ylabel("disaggregated / co-located")
+    ax.set_title("median over seeds, bars: min..max")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
 def run_seeds(args, run) -> dict:
     """``run(args)`` once per seed of ``args.seeds`` (out dir ``args.out/seed{N}``); writes and returns the
     summary."""
@@ -103,6 +130,8 @@ def run_seeds(args, run) -> dict:
         json.dump({"seeds": seeds, "summary": summary}, f, indent=1, default=str)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(render(summary, seeds, setup))
+    if summary.get("crossover"):
+        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(args.out, "crossover.png"))
     flat = {}
     for k in ("slo_throughput_ratio", "max_len_ratio", "slo_qps_relay", "slo_qps_baseline", "max_len_relay",
               "max_len_baseline"):
