@@ -17,7 +17,7 @@ def _report(qps_relay, qps_base, len_relay, len_base, cx_ratio=None):
     return rep
 
 
-def test_medians_and_spread_over_seeds():
+def test_medians_and_spread_over_seeds(tmp_path):
     reports = {0: _report(40, 10, 2000, 1000, 1.2), 1: _report(30, 12, 1500, 1000, 0.9),
                2: _report(60, 10, 3000, 1500, 1.0)}
     s = summarize_seeds(reports)
@@ -30,6 +30,9 @@ def test_medians_and_spread_over_seeds():
     assert cx["rows"][0]["len_vs_colocated"]["median"] is None
     text = render(s, [0, 1, 2], {"workers": {"K": 3}})
     assert "4 [2.5 .. 6]" in text and "Crossover P per seed: [1, None, 1]" in text
+    pytest.importorskip("matplotlib")
+    from relaygr_engine.bench.seeds import plot_crossover
+    assert plot_crossover(cx, 3, tmp_path / "cx.png") and (tmp_path / "cx.png").stat().st_size > 0
 
 
 def test_parse_seeds_names_the_option():

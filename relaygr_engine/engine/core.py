@@ -22,7 +22,7 @@ from .prefill import PrefillPlanner
 from .rank import RankPlanner
 from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
 from .tiers import CacheState
-from .transfer import PackedPrefix, check_packed, pack_entry, unpack_entry
+from .transfer import PackedPrefix, check_packed, pack_entry, store_packed
 
 __all__ = ["RelayEngine"]
 
@@ -258,25 +258,11 @@ class RelayEngine:
             raise ValueError(f"packed must be a PackedPrefix, got {type(packed).__name__}")
         p = self._prepare(packed.user_id, history)
         t = _clock(now)
-        c, ttl = self.state.counters, self.config.lease_ttl_s
         with self._lock, torch.inference_mode():
-            T, u = p.num_tokens, p.user_id
-            fp = self.index.fingerprint(p, T)
+            fp = self.index.fingerprint(p, p.num_tokens)
             check_packed(self.state, packed, p, fp)
             self.state.spill_expired(t)
-            hit = self.index.match(p, T)
-            if hit is not None and hit.usable == T:
-                ticket = self.prefill._lease_cached(p, hit.fp, fp, t)
-                c.imports_already_cached += int(ticket.admitted)
-                return ticket
-            if unpack_entry(self.state, packed, t) is None:
-                c.imports_refused += 1
-                too_big = -(-T // self.page_size) > self.pool.max_pinned_pages
-                return PrefixTicket(False, "budget" if too_big else "pool_full", u, fp, T, None)
-            self.index.record((u, fp), p, T)
-            if self.dram is not None:
-                self.state.leased[(u, fp)] = t + ttl
-            return PrefixTicket(True, "admitted", u, fp, T, t + ttl, cached_tokens=T)
+            return store_packed(self.state, self.index, self.prefill, p, packed, t)
 
     # ------------------------------------------------------------------------------------------ ranking
     def rank_with_prefix(self, user_id: int, history: Behaviors, candidates: torch.Tensor,

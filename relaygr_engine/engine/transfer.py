@@ -17,7 +17,7 @@ import torch
 from .records import Prepared, PrefixTicket
 from .tiers import CacheState
 
-__all__ = ["PackedPrefix", "pack_entry", "check_packed", "unpack_entry"]
+__all__ = ["PackedPrefix", "pack_entry", "check_packed", "unpack_entry", "store_packed"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,3 +127,26 @@ def unpack_entry(state: CacheState, packed: PackedPrefix, t: float):
     c.imports += 1
     c.import_bytes += packed.nbytes
     return pages
+
+
+def store_packed(state: CacheState, index, planner, p: Prepared, packed: PackedPrefix, t: float) -> PrefixTicket:
+    """Lease the cached prefix when this cache holds all of ``p`` (``"already_cached"``), else unpack a checked
+    ``packed`` into a new leased entry (``"admitted"``), or decline (``"pool_full"`` / ``"budget"``).
+
+    ``index`` is the engine's :class:`~.index.PrefixIndex`, ``planner`` its :class:`~.prefill.PrefillPlanner`.
+    """
+    c, ttl = state.counters, state.config.lease_ttl_s
+    T, u, fp = p.num_tokens, p.user_id, packed.fingerprint
+    hit = index.match(p, T)
+    if hit is not None and hit.usable == T:
+        ticket = planner._lease_cached(p, hit.fp, fp, t)
+        c.imports_already_cached += int(ticket.admitted)
+        return ticket
+    if unpack_entry(state, packed, t) is None:
+        c.imports_refused += 1
+        too_big = -(-T // state.page_size) > state.pool.max_pinned_pages
+        return PrefixTicket(False, "budget" if too_big else "pool_full", u, fp, T, None)
+    index.record((u, fp), p, T)
+    if state.dram is not None:
+        state.leased[(u, fp)] = t + ttl
+    return PrefixTicket(True, "admitted", u, fp, T, t + ttl, cached_tokens=T)
