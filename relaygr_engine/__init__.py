@@ -25,6 +25,7 @@ _EXPORTS = {
     "RelayEngine": ".engine",
     "PrefixTicket": ".engine",
     "RankRequest": ".engine",
+    "PackedPrefix": ".engine",
     "RankResult": ".engine",
     "paged_prefix_attention": ".ops",
     "SequenceAwareTrigger": ".policy",

@@ -256,7 +256,7 @@ def render_markdown(report: dict, plots: bool = True) -> str:
     lines += [_table(["mode", "SLO-compliant QPS", f"max history @ {_fmt(s.get('ref_qps'))} QPS",
                       "P50 ms @ ref", "P99 ms @ ref"], rows), ""]
     lines += ["## Setup", ""]
-    for k in ("device", "torch", "threads", "load_average", "baseline", "service_time_clock", "repeats", "model",
+    for k in ("device", "torch", "threads", "load_average", "baseline", "service_time_clock", "repeats", "workers", "model",
               "cache", "trigger", "workload_source", "length", "requests", "warmup_requests", "candidates",
               "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick"):
         if k in s:
@@ -299,6 +299,8 @@ def render_markdown(report: dict, plots: bool = True) -> str:
         if es:
             lines.append("- engine stats: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(es.items())))
         lines.append("")
+    for title, text in report.get("sections", []):
+        lines += [f"## {title}", "", text, ""]
     if report.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     lines += ["```", report.get("result_line", ""), "```", ""]

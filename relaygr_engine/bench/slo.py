@@ -38,8 +38,9 @@ import numpy as np
 from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, ChoiceList, device,
                         existing_file, require_modules)
 from . import report as rpt
+from . import slo_workers
 from .common import exceed_count
-from .serving import BaselineImpl, BaselineService, Mode, RelayService, TriggerHook, cpu_timer, simulate
+from .serving import BaselineImpl, Mode, cpu_timer, simulate
 from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
                        synthesize_interactions)
 
@@ -139,6 +140,9 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--num-items", type=POSITIVE_INT, default=8192,
                    help="model item vocabulary (ids remapped into it)")
     g.add_argument("--seed", type=COUNT, default=0)
+    g.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: one whole run per seed (in --out/seedN), reported as the median "
+                        "with min and max (relaygr_engine.bench.seeds)")
     g = ap.add_argument_group("serving")
     g.add_argument("--slo-ms", type=POSITIVE, default=100.0, help="P99 ranking latency objective")
     g.add_argument("--modes", type=ChoiceList(Mode), default=f"{Mode.BASELINE.value},{Mode.RELAY.value}",
@@ -163,6 +167,7 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                         "perf_counter; 'auto' = cpu where valid, else wall")
     g.add_argument("--device", type=device, default="cpu", help="torch device of the model and cache")
     g.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch intra-op threads (one worker)")
+    slo_workers.add_arguments(ap)
     g = ap.add_argument_group("search")
     g.add_argument("--qps-start", type=POSITIVE, help="first QPS of the sweep (default: from the calibration)")
     g.add_argument("--ref-qps", type=POSITIVE, help="QPS of the max-length search and the per-mode details "
@@ -220,6 +225,13 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
                      "--no-max-len")
     if args.data and args.profile:
         parser.error("--data and --profile both name a workload; give one")
+    try:
+        slo_workers.check(args)
+        if args.seeds:
+            from .seeds import parse_seeds
+            parse_seeds(args.seeds)
+    except ValueError as e:
+        parser.error(str(e))
     args.modes = [Mode.BASELINE.value] + [m for m in args.modes if m != Mode.BASELINE.value]
     if len(args.modes) < 2:
         parser.error(f"--modes needs a relay mode to compare with the baseline, got {','.join(args.modes)}")
@@ -340,36 +352,25 @@ class _Bench:
         n = min(len(w.measured), max(self.args.requests, math.ceil(self.args.min_duration_s * qps)))
         return Workload(w.requests[:w.num_warmup + n], w.config, w.info)
 
-    def service(self, mode: str, trigger: bool = True):
-        from ..config import CacheConfig
-        from ..engine import RelayEngine
-        from ..policy import SequenceAwareTrigger, TriggerConfig
-
-        a = self.args
-        if mode == Mode.BASELINE.value:
-            return BaselineService(self.model, a.device, impl=a.baseline)
-        dram = int(a.dram_mb * 2**20) if mode == Mode.RELAY.value else 0
-        cc = CacheConfig(device=a.device, page_size=16, hbm_bytes=int(a.hbm_mb * 2**20),
-                         lease_ttl_s=a.lease_ms / 1e3, dram_bytes=dram)
-        hook = None
-        if trigger and not a.no_trigger:
-            hook = TriggerHook(SequenceAwareTrigger(self.lat, TriggerConfig(
-                slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)))
-        engine = RelayEngine(self.model, cc, trigger=hook, store_misses=not a.no_store_misses)
-        return RelayService(engine, hook, chunk_tokens=a.chunk_tokens, device=a.device)
+    def workers(self, mode: str, trigger: bool = True, requests=()) -> list:
+        """Fresh workers of ``mode`` (:func:`relaygr_engine.bench.slo_workers.build`), their tensors prepared."""
+        workers = slo_workers.build(self, mode, trigger)
+        for w in workers:
+            w.service.prepare(requests)
+        return workers
 
     def run(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "",
             early_stop: bool = False) -> dict:
         """Serve one workload at one QPS in one mode; with ``early_stop``, stop once P99 > SLO is certain."""
         w = self.at(qps, base_length)
-        svc = self.service(mode)
-        svc.prepare(w.requests)
+        workers = self.workers(mode, requests=w.requests)
         self.console.start(f"{mode} {label or f'{qps:.3g} QPS'}", len(w.requests))
         n = len(w.measured)
         stop = None
         if early_stop and not self.args.full_runs:
             stop = (self.args.slo_ms / 1e3, exceed_count(n, 99))   # that many over SLO: P99 > SLO
-        res = simulate(svc, w, qps, mode=mode, timer=self.timer, progress=self.console.bar, stop_over=stop)
+        res = simulate(workers, w, qps, mode=mode, timer=self.timer, progress=self.console.bar, stop_over=stop,
+                       batch=slo_workers.batch_policy(self.args))
         return summarize(res)
 
     def judge(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "") -> tuple[bool, dict]:
@@ -397,7 +398,8 @@ def summarize(res) -> dict:
     src = res.source_counts()
     n = max(1, len(res.sources))
     s.update({
-        "qps": res.qps, "utilization": res.work_s / max(res.makespan_s - res.window_start_s, 1e-12),
+        "qps": res.qps, "workers": res.workers,
+        "utilization": res.work_s / max(res.workers * (res.makespan_s - res.window_start_s), 1e-12),
         "stopped_early": bool(res.stopped_early), "completed": int(len(res.latency_s)),
         "num_requests": int(res.num_requests),
         "mean_service_ms": float(np.mean(res.service_s) * 1e3), "sources": src,
@@ -441,6 +443,8 @@ def run(args, log: InteractionLog, source: str) -> dict:
     load_start = _loadavg()
     modes = list(args.modes)
     relay_mode = "relay" if "relay" in modes else next(m for m in modes if m != "baseline")
+    disagg_ps = slo_workers.check(args)  # checked by check_args
+    modes = slo_workers.modes(modes, disagg_ps)
     torch.set_num_threads(args.threads)
     out = Console(_wants_progress(args))
 
@@ -474,11 +478,10 @@ def run(args, log: InteractionLog, source: str) -> dict:
     warm = Workload([dataclasses.replace(r, warmup=False) for r in main_wl.requests[:24]], main_wl.config,
                     main_wl.info)
     for m in modes:
-        svc = bench.service(m, trigger=False)
-        svc.prepare(warm.requests)
-        simulate(svc, warm, 2.0)
+        simulate(bench.workers(m, trigger=False, requests=warm.requests), warm, 2.0,
+                 batch=slo_workers.batch_policy(args))
 
-    start_qps = args.qps_start or max(0.05, 0.3 * 1e3 / max(mean_ms, 1e-3))
+    start_qps = args.qps_start or max(0.05, 0.3 * args.workers * 1e3 / max(mean_ms, 1e-3))
     results: dict = {m: {} for m in modes}
     out.say(f"searching each mode's highest QPS with P99 <= {args.slo_ms:g} ms from {start_qps:.3g} QPS "
          f"(modes evaluated in turn)")
@@ -562,7 +565,15 @@ def run(args, log: InteractionLog, source: str) -> dict:
         "notes": _notes(args, results, relay_mode),
         "elapsed_s": time.perf_counter() - t_start,
     }
+    if disagg_ps:
+        cx = slo_workers.crossover(results, relay_mode, disagg_ps, args.workers)
+        report["crossover"] = cx
+        report["sections"] = [("Co-located vs disaggregated (same workers, same trace)",
+                               slo_workers.crossover_markdown(cx))]
     report["paths"] = rpt.write_report(report, args.out, json_path=args.json, plots=not args.no_plots)
+    if disagg_ps and not args.no_plots:  # after the report, so nothing measured is lost to a plotting failure
+        report["paths"]["crossover_plot"] = os.path.join(args.out, "crossover.png")
+        slo_workers.plot_crossover(cx, report["paths"]["crossover_plot"])
     return report
 
 
@@ -644,6 +655,8 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
                    f"search: base length L per user's first request, up to {args.max_len_hi}"),
         "repeats": (f"a point whose P99 is within {args.noise_band:.0%} of the SLO is run {args.repeats} times; the "
                     f"majority decides" if args.repeats > 1 else "one run per point"),
+        "workers": {"K": args.workers, "max_batch": args.max_batch, "batch_tokens": args.batch_tokens,
+                    "disaggregate": args.disaggregate or "-"},
         "requests": args.requests, "warmup_requests": args.warmup_requests, "candidates": args.candidates,
         "pipeline_delay_ms": args.pipeline_delay_ms,
         "suffix_tokens": args.suffix_tokens, "slo_ms": args.slo_ms, "ref_qps": ref_qps, "quick": bool(args.quick),
@@ -732,7 +745,13 @@ def print_paths(report: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    report = run(*prepare(build_parser(), argv))
+    parser = build_parser()
+    args, log, source = prepare(parser, argv)
+    if args.seeds:
+        from . import seeds
+        seeds.print_summary(seeds.run_seeds(args, lambda a: run(a, *load_checked_log(parser, a))), args.out)
+        return 0
+    report = run(args, log, source)
     print()
     print(report["headline"])
     print()

@@ -82,11 +82,20 @@ prefix of its history than device memory, that prefix is reloaded and only the n
 (``prefill_dram_reloads``). Engine calls are serialised, so concurrent rankings of
 one user cause one reload, and the later ones read the reloaded pages (``source="hbm"``).
 
+Transfer
+--------
+``export_prefix(ticket, history)`` packs an admitted prefix of all layers into one contiguous buffer
+(:class:`~relaygr_engine.engine.transfer.PackedPrefix`) and ends its lease; another engine's
+``import_prefix(history, packed)`` unpacks it into its own pages under a lease, so a ranking there reads it as a
+device-cache hit (disaggregated pre-infer and ranking pools). Counters ``exports``, ``imports`` (and bytes),
+``imports_already_cached``, ``imports_refused``.
+
 Thread safety: every public method holds one engine lock (the pool itself is also thread-safe).
 """
 from __future__ import annotations
 
 from .core import RelayEngine
 from .records import EngineCounters, PrefixTicket, RankRequest, RankResult
+from .transfer import PackedPrefix
 
-__all__ = ["EngineCounters", "PrefixTicket", "RankRequest", "RankResult", "RelayEngine"]
+__all__ = ["EngineCounters", "PackedPrefix", "PrefixTicket", "RankRequest", "RankResult", "RelayEngine"]

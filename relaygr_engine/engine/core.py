@@ -21,6 +21,7 @@ from .prefill import PrefillPlanner
 from .rank import RankPlanner
 from .records import Job, Pin, Prepared, PrefixTicket, RankRequest, RankResult
 from .tiers import CacheState
+from .transfer import PackedPrefix, check_packed, pack_entry, store_packed
 
 __all__ = ["RelayEngine"]
 
@@ -218,6 +219,60 @@ class RelayEngine:
                 c.prefill_computed_tokens += T - job.start
                 c.prefill_reused_tokens += job.start
             return tickets
+
+    # ------------------------------------------------------------------------------------------ transfer
+    def export_prefix(self, ticket: PrefixTicket, history: Behaviors,
+                      now: Optional[float] = None) -> Optional[PackedPrefix]:
+        """Pack the prefix an admitted ticket of this engine names, for another engine's :meth:`import_prefix`.
+
+        Ends the ticket's lease here (the entry stays cached and evictable, so the user's next pre-infer extends
+        it). See :mod:`relaygr_engine.engine.transfer`.
+
+        Parameters
+        ----------
+        ticket : PrefixTicket
+            Admitted, from :meth:`prefill_prefix` on this engine.
+        history : Behaviors
+            The pre-inferred prefix (``ticket.num_tokens`` tokens).
+        now : float, optional
+
+        Returns
+        -------
+        PackedPrefix or None
+            None when the entry is gone (its lease ran out and it was evicted).
+        """
+        if not isinstance(ticket, PrefixTicket) or not ticket.admitted:
+            raise ValueError(f"ticket must be an admitted PrefixTicket, got {ticket!r}")
+        p = self._prepare(ticket.user_id, history)
+        if p.num_tokens != ticket.num_tokens:
+            raise ValueError(f"history must be the ticket's {ticket.num_tokens}-token prefix, got {p.num_tokens} "
+                             f"tokens")
+        t = _clock(now)
+        with self._lock, torch.inference_mode():
+            return pack_entry(self.state, self.index.fingerprint(p, p.num_tokens), ticket, t)
+
+    def import_prefix(self, history: Behaviors, packed: PackedPrefix, now: Optional[float] = None) -> PrefixTicket:
+        """Store a prefix packed by another engine (:meth:`export_prefix`) in this cache under a lease.
+
+        A ranking then reads it as a device-cache hit. ``reason``: ``"admitted"`` (unpacked into new pages),
+        ``"already_cached"`` (this cache holds it: leased, nothing copied), ``"pool_full"`` or ``"budget"`` (not
+        admitted, as for :meth:`prefill_prefix`).
+
+        Raises
+        ------
+        ValueError
+            ``packed`` is not ``history``'s prefix under this model, or does not fit this cache's layout; before
+            any state changes.
+        """
+        if not isinstance(packed, PackedPrefix):
+            raise ValueError(f"packed must be a PackedPrefix, got {type(packed).__name__}")
+        p = self._prepare(packed.user_id, history)
+        t = _clock(now)
+        with self._lock, torch.inference_mode():
+            fp = self.index.fingerprint(p, p.num_tokens)
+            check_packed(self.state, packed, p, fp)
+            self.state.spill_expired(t)
+            return store_packed(self.state, self.index, self.prefill, p, packed, t)
 
     # ------------------------------------------------------------------------------------------ ranking
     def rank_with_prefix(self, user_id: int, history: Behaviors, candidates: torch.Tensor,

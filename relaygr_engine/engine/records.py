@@ -131,6 +131,12 @@ class EngineCounters:
     prefill_copied_tokens: int = 0
     prefill_dram_reloads: int = 0
     stored_on_rank: int = 0
+    exports: int = 0
+    export_bytes: int = 0
+    imports: int = 0
+    import_bytes: int = 0
+    imports_already_cached: int = 0
+    imports_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

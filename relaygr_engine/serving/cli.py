@@ -1,9 +1,10 @@
 """``relaygr serve``: relay engines on Ray Serve replicas behind the affinity request router.
 
 Starts a local Ray instance (loopback only, no dashboard) or joins a running cluster (``--address``), deploys
-``--replicas`` replicas, prints the HTTP address and where Prometheus scrapes the replicas' metrics (each Ray
-node's metrics export port, :mod:`relaygr_engine.serving.metrics`), and blocks until Ctrl-C or SIGTERM (or
-``--duration`` seconds).
+``--replicas`` replicas (or, with ``--prefill-replicas P --rank-replicas R``, a pre-infer pool of P replicas that
+ship packed prefixes to a ranking pool of R: :mod:`relaygr_engine.serving.disaggregated`), prints the HTTP address
+and where Prometheus scrapes the replicas' metrics (each Ray node's metrics export port,
+:mod:`relaygr_engine.serving.metrics`), and blocks until Ctrl-C or SIGTERM (or ``--duration`` seconds).
 Endpoints: ``POST {prefix}prefill``, ``POST {prefix}rank`` (JSON), ``GET {prefix}stats``; the route key goes in the
 ``x-session-id`` header (see docs/ray_serve.md). Needs ``pip install 'relaygr-engine[ray]'``.
 
@@ -35,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="Relay engines on Ray Serve replicas behind the affinity request router.")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=POSITIVE_INT, default=2, help="replicas, each with its own engine (2)")
+    c.add_argument("--prefill-replicas", type=POSITIVE_INT, default=None,
+                   help="disaggregated: a pre-infer pool of this many replicas that ship packed prefixes to a "
+                        "ranking pool of --rank-replicas (default: co-located --replicas)")
+    c.add_argument("--rank-replicas", type=POSITIVE_INT, default=None,
+                   help="disaggregated: ranking pool size (default 2)")
     c.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. 'auto' or 'HOST:6379'); default: start a local one on 127.0.0.1")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
@@ -97,6 +103,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = _spec(args)
+        if args.rank_replicas is not None and args.prefill_replicas is None:
+            raise ValueError("--rank-replicas needs --prefill-replicas (the disaggregated mode)")
+        if args.prefill_replicas is not None and args.rank_replicas is None:
+            args.rank_replicas = 2
     except (ValueError, TypeError) as e:
         parser.error(in_flags(parser, str(e)))
     if args.metrics_port is not None and args.address is not None:
@@ -151,13 +161,22 @@ def _serve(args, spec, ray, serve) -> int:
         where = f"the Ray cluster at {args.address}"
     restore = _stop_on_sigterm()  # after ray.init, which installs its own SIGTERM handler
     try:
-        run(spec, app_name=args.app_name, route_prefix=args.route_prefix, host=args.host, port=args.port,
-            num_replicas=args.replicas, num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
-            load_factor=args.load_factor, stats_period_s=args.stats_period_s,
-            max_ongoing_requests=args.max_ongoing_requests)
+        common = dict(app_name=args.app_name, route_prefix=args.route_prefix, host=args.host, port=args.port,
+                      num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
+                      load_factor=args.load_factor, stats_period_s=args.stats_period_s,
+                      max_ongoing_requests=args.max_ongoing_requests)
+        if args.prefill_replicas is None:
+            run(spec, num_replicas=args.replicas, **common)
+            shape = f"{args.replicas} replica(s)"
+        else:
+            from .disaggregated import run_disaggregated
+            run_disaggregated(spec, prefill_replicas=args.prefill_replicas, rank_replicas=args.rank_replicas,
+                              **common)
+            shape = (f"{args.prefill_replicas} pre-infer + {args.rank_replicas} ranking replica(s) "
+                     f"(disaggregated)")
         prefix = args.route_prefix.rstrip("/") + "/"
         url = f"http://{args.host}:{args.port}{prefix}"
-        print(f"relaygr serve: {args.replicas} replica(s) of app {args.app_name!r} on {where}")
+        print(f"relaygr serve: {shape} of app {args.app_name!r} on {where}")
         print(f"HTTP {url}  (POST {prefix}prefill, POST {prefix}rank, GET {prefix}stats; route key in header "
               "x-session-id, e.g. '7;prefill' then the prefill reply's route_key)")
         if not started_ray:

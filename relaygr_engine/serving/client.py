@@ -112,11 +112,16 @@ class RelayClient:
         Pause (>= 0) before re-sending after a failure (Serve needs a moment to drop a dead replica).
     clock : callable
         Seconds clock (``time.monotonic``).
+    prefill_handle : DeploymentHandle, optional
+        Where pre-infers go when they have a pool of their own (disaggregated serving,
+        :mod:`relaygr_engine.serving.disaggregated`); default: ``handle``.
     """
 
     def __init__(self, handle, *, forward_deadline_s: float = 1.0, failover_timeout_s: float = 60.0,
-                 retry_backoff_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_backoff_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                 prefill_handle=None) -> None:
         self._handle = handle
+        self._prefill_handle = handle if prefill_handle is None else prefill_handle
         self._forward_deadline_s = _checks.number("forward_deadline_s", forward_deadline_s, low=0.0,
                                                   low_open=True)
         self._failover_s = _checks.number("failover_timeout_s", failover_timeout_s, low=0.0, low_open=True)
@@ -135,7 +140,8 @@ class RelayClient:
                 self._c[k] += v
 
     def _send(self, method: str, key: RouteKey, *args: Any) -> dict:
-        h = self._handle.options(method_name=method, session_id=key.encode())
+        handle = self._prefill_handle if method == "prefill" else self._handle
+        h = handle.options(method_name=method, session_id=key.encode())
         return h.remote(*args).result()
 
     def _at(self, method: str, replica: str) -> dict:

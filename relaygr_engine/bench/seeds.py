@@ -1,0 +1,148 @@
+"""``relaygr bench slo --seeds 0,1,2``: the SLO benchmark once per seed, reported as medians with their spread.
+
+Each seed is a whole run of :func:`relaygr_engine.bench.slo.run` (its own synthetic draw or sample of the log,
+model weights, workload and searches) written to ``--out/seed{N}``. Ratios (relay / baseline, disaggregated /
+co-located) are measured inside each run and then summarised across seeds: the median, and the smallest and
+largest value. ``--out`` gets ``summary.md`` and ``summary.json``; the last line is ``RESULT
+slo_throughput_ratio=<median> slo_throughput_ratio_min=... slo_throughput_ratio_max=... max_len_ratio=... ...
+seeds=N``.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+from typing import Optional
+
+from . import report as rpt
+from .common import percentile
+
+__all__ = ["parse_seeds", "run_seeds", "summarize_seeds"]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; ValueError naming ``--seeds`` otherwise."""
+    try:
+        seeds = [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds must be distinct integers >= 0, got {text!r}")
+    return seeds
+
+
+def _spread(values: list) -> dict:
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": list(values)}
+    return {"median": percentile(vals, 50), "min": min(vals), "max": max(vals), "values": list(values)}
+
+
+def summarize_seeds(reports: dict) -> dict:
+    """Median and spread over seeds of every RESULT value and of each mode's SLO QPS and longest history."""
+    keys = list(next(iter(reports.values()))["result"])
+    out = {"result": {k: _spread([r["result"].get(k) for r in reports.values()]) for k in keys
+                      if k not in ("slo_ms",)}}
+    modes = next(iter(reports.values()))["modes"]
+    out["modes"] = {m: {"slo_qps": _spread([r["modes"][m]["slo_throughput"]["best"] for r in reports.values()]),
+                        "max_len": _spread([(r["modes"][m].get("max_len") or {}).get("best")
+                                            for r in reports.values()])}
+                    for m in modes}
+    cx = [r.get("crossover") for r in reports.values() if r.get("crossover")]
+    if cx:
+        out["crossover"] = {
+            "crossover_p": [c["crossover_p"] for c in cx], "policy_p": [c.get("policy_p") for c in cx],
+            "rows": [{"P": row["P"], "qps_vs_colocated": _spread([c["rows"][i]["qps_vs_colocated"] for c in cx]),
+                      "len_vs_colocated": _spread([c["rows"][i]["len_vs_colocated"] for c in cx])}
+                     for i, row in enumerate(cx[0]["rows"])]}
+    return out
+
+
+def _cell(s: dict) -> str:
+    if s["median"] is None:
+        return "-"
+    return f"{rpt._fmt(s['median'])} [{rpt._fmt(s['min'])} .. {rpt._fmt(s['max'])}]"
+
+
+def render(summary: dict, seeds: list[int], setup: dict) -> str:
+    lines = [f"# SLO benchmark over seeds {', '.join(map(str, seeds))}", "",
+             f"Generated {datetime.datetime.now().isoformat(timespec='seconds')}. Median [min .. max] over "
+             f"{len(seeds)} seeds; each ratio is measured inside one run. Per-seed reports: `seed<N>/report.md`.", "",
+             f"- workload: {setup.get('workload_source')}", f"- device: {setup.get('device')}, "
+             f"{setup.get('threads')} thread(s), {setup.get('cpu_count')} CPUs; service-time clock: "
+             f"{setup.get('service_time_clock')}", f"- workers: {json.dumps(setup.get('workers'))}", "",
+             rpt._table(["mode", "SLO-compliant QPS", "longest history within the SLO"],
+                        [[m, _cell(v["slo_qps"]), _cell(v["max_len"])] for m, v in summary["modes"].items()]), "",
+             rpt._table(["result", "median [min .. max]"], [[k, _cell(v)] for k, v in summary["result"].items()]),
+             ""]
+    cx = summary.get("crossover")
+    if cx:
+        lines += ["## Co-located vs disaggregated", "",
+                  rpt._table(["P", "QPS vs co-located", "max history vs co-located"],
+                             [[r["P"], _cell(r["qps_vs_colocated"]), _cell(r["len_vs_colocated"])]
+                              for r in cx["rows"]]), "",
+                  f"Crossover P per seed: {cx['crossover_p']}; ratio policy's P per seed: {cx['policy_p']}.", ""]
+    return "\n".join(lines)
+
+
+def plot_crossover(cx: dict, workers, path) -> str:
+    """Disaggregated / co-located SLO-compliant throughput and longest history per P: medians over seeds with
+    min..max bars, 1 = co-located."""
+    plt = rpt._pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ps = [r["P"] for r in cx["rows"]]
+    for k, (key, label) in enumerate((("qps_vs_colocated", "SLO-compliant QPS"),
+                                      ("len_vs_colocated", "longest history"))):
+        med = [r[key]["median"] for r in cx["rows"]]
+        if any(m is None for m in med):
+            continue
+        lo = [m - r[key]["min"] for m, r in zip(med, cx["rows"])]
+        hi = [r[key]["max"] - m for m, r in zip(med, cx["rows"])]
+        ax.bar([p + (k - 0.5) * 0.35 for p in ps], med, width=0.35, yerr=[lo, hi], capsize=4, color=f"C{k}",
+               label=label)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="co-located")
+    ax.set_xticks(ps)
+    ax.set_xlabel(f"pre-infer workers P of K = {workers}")
+    ax.set_ylabel("disaggregated / co-located")
+    ax.set_title("median over seeds, bars: min..max")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+def run_seeds(args, run) -> dict:
+    """``run(args)`` once per seed of ``args.seeds`` (out dir ``args.out/seed{N}``); writes and returns the
+    summary."""
+    seeds = parse_seeds(args.seeds)
+    reports = {}
+    for s in seeds:
+        a = copy.copy(args)
+        a.seed, a.out, a.json, a.seeds = s, os.path.join(args.out, f"seed{s}"), None, None
+        print(f"=== seed {s} ===", flush=True)
+        reports[s] = run(a)
+    summary = summarize_seeds(reports)
+    setup = next(iter(reports.values()))["setup"]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"seeds": seeds, "summary": summary}, f, indent=1, default=str)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(render(summary, seeds, setup))
+    if summary.get("crossover"):
+        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(args.out, "crossover.png"))
+    flat = {}
+    for k in ("slo_throughput_ratio", "max_len_ratio", "slo_qps_relay", "slo_qps_baseline", "max_len_relay",
+              "max_len_baseline"):
+        if k in summary["result"]:
+            v = summary["result"][k]
+            flat.update({k: v["median"], f"{k}_min": v["min"], f"{k}_max": v["max"]})
+    flat["seeds"] = len(seeds)
+    summary["result_line"] = rpt.result_line(flat)
+    return summary
+
+
+def print_summary(summary: dict, out: Optional[str]) -> None:
+    print(f"\nsummary: {os.path.join(out or '.', 'summary.md')}")
+    print(summary["result_line"], flush=True)
