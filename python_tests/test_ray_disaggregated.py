@@ -15,7 +15,8 @@ import torch
 import relaygr_engine as rg
 from relaygr_engine.serving.ray_serve import ReplicaSpec
 
-from test_ray_serve import _exact, _free_port
+from ray_local import free_port
+from test_ray_serve import _exact
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 pytestmark = [pytest.mark.ray,
@@ -84,7 +85,7 @@ def app(request):
     try:
         cluster, placement = _start_ray(request.param)
         rank, prefill = run_disaggregated(spec, prefill_replicas=1, rank_replicas=2, num_cpus=0.25,
-                                          app_name=f"pd_{request.param}", port=_free_port(), stats_period_s=0.2,
+                                          app_name=f"pd_{request.param}", port=free_port(), stats_period_s=0.2,
                                           **placement)
         yield {"client": RelayClient(rank, prefill_handle=prefill, forward_deadline_s=2.0), "prefill": prefill,
                "ray": ray, "model": rg.build_ranker(CFG, seed=SEED), "kind": request.param}
@@ -157,7 +158,10 @@ def test_shipped_prefixes_hit_on_the_ranking_pool_and_a_killed_pre_infer_replica
 def test_serve_cli_rejects_bad_pool_sizes_before_starting_ray(capsys):
     from relaygr_engine.serving.cli import main
 
-    assert main(["--rank-replicas", "2"]) == 2
-    assert "--rank-replicas needs --prefill-replicas" in capsys.readouterr().err
-    assert main(["--prefill-replicas", "0"]) == 2
-    assert "--prefill-replicas and --rank-replicas must be >= 1" in capsys.readouterr().err
+    for argv, message in ((["--rank-replicas", "2"], "--rank-replicas needs --prefill-replicas"),
+                          (["--prefill-replicas", "0"], "--prefill-replicas: expected an integer >= 1, got 0")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err  # one usage line naming the flag
