@@ -36,6 +36,8 @@ def short_csv(tmp_path):
 
 @pytest.mark.parametrize("argv, flag, says", [
     (["bench", "slo", "--slo-ms", "-5"], "--slo-ms", "expected a number > 0, got -5"),
+    (["bench", "transfer", "--lengths", "256,0"], "--lengths", "each an integer >= 1, got '256,0'"),
+    (["bench", "tiers", "--repeats", "0"], "--repeats", "expected an integer >= 1, got 0"),
     (["bench", "slo", "--slo-ms", "nan"], "--slo-ms", "expected a number > 0"),
     (["bench", "slo", "--data", "/nonexistent.csv"], "--data", "no such file"),
     (["bench", "slo", "--modes", "foo"], "--modes", "baseline, relay, relay_no_expander, got 'foo'"),

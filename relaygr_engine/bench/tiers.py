@@ -19,7 +19,8 @@ import torch
 
 import relaygr_engine as rg
 
-from ..cli_args import ArgumentParser
+from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser
+from ..cli_args import device as device_arg
 from .common import emit_result, environment, percentile
 
 NEW_TOKENS = 16
@@ -103,14 +104,15 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = ArgumentParser(prog="relaygr bench tiers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
-    ap.add_argument("--candidates", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--lengths", type=POSITIVE_INTS, default=[256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--candidates", type=POSITIVE_INT, default=64)
+    ap.add_argument("--page-size", type=POSITIVE_INT, default=16)
+    ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
+    ap.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 256,1024, two repeats")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args(argv)
@@ -118,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    lengths = [256, 1024] if args.quick else [int(x) for x in args.lengths.split(",")]
+    lengths = [256, 1024] if args.quick else args.lengths
     repeats = 2 if args.quick else args.repeats
     cfg = rg.GRModelConfig(attention="hstu", num_layers=2, hidden_dim=64, num_heads=2, head_dim=32,
                            num_items=10000, num_actions=4, max_seq_len=max(lengths) + NEW_TOKENS, num_tasks=2)

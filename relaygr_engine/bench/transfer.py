@@ -25,6 +25,8 @@ import torch
 
 import relaygr_engine as rg
 
+from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser
+from ..cli_args import device as device_arg
 from .common import emit_result, environment
 from .tiers import _time as _time_ms
 
@@ -74,24 +76,17 @@ def measure(model, L: int, device: torch.device, page_size: int, repeats: int) -
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="relaygr bench transfer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--lengths", default="256,512,1024,2048,4096")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap = ArgumentParser(prog="relaygr bench transfer", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lengths", type=POSITIVE_INTS, default=[256, 512, 1024, 2048, 4096])
+    ap.add_argument("--page-size", type=POSITIVE_INT, default=16)
+    ap.add_argument("--repeats", type=POSITIVE_INT, default=5)
+    ap.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 256,1024, three repeats")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args(argv)
-    try:
-        lengths = [256, 1024] if args.quick else [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    if not lengths or min(lengths) < 1:
-        ap.error(f"--lengths must be integers >= 1, got {args.lengths!r}")
-    if args.page_size < 1 or args.repeats < 1:
-        ap.error(f"--page-size and --repeats must be >= 1, got {args.page_size} and {args.repeats}")
+    lengths = [256, 1024] if args.quick else args.lengths
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
