@@ -61,7 +61,6 @@ class TorchPlan:
     B: int
     M: int
     K: int
-    page_size: int
     kv_slots: torch.Tensor
     kvidx: torch.Tensor
     qidx: torch.Tensor
@@ -75,11 +74,12 @@ class TorchPlan:
     _cache: dict = field(default_factory=dict)
 
     def bias_index(self, pos_size: int, ts_size: int, time_bucket: TimeBucket = TimeBucket.LOG2) -> torch.Tensor:
-        """``[n, B, 1, M, K]`` (``[B, 1, M, K]`` for ``n = 1``) indices into ``cat(pos table [pos_size], time table [ts_size], mask_values)``.
+        """``[n, B, 1, M, K]`` (``[B, 1, M, K]`` for ``n = 1``) indices into
+        ``cat(pos table [pos_size], time table [ts_size], mask_values)``.
 
         One row per table in use (``pos_size``/``ts_size`` 0: not used; none used: one row that only masks): the
-        clamped position distance, the ``time_bucket`` bucket (offset by ``pos_size``), and ``-BIG`` wherever a key is hidden,
-        so that ``table[index].sum(0)`` is the whole additive bias and mask of a layer in one gather.
+        clamped position distance, the ``time_bucket`` bucket (offset by ``pos_size``), and ``-BIG`` wherever a key
+        is hidden, so that ``table[index].sum(0)`` is the whole additive bias and mask of a layer in one gather.
         """
         key = (pos_size, ts_size, time_bucket)
         idx = self._cache.get(key)
@@ -155,7 +155,7 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     visible = hist | cand                                                                    # [B, M, K]
     dist = (P + np.minimum(i, n))[:, :, None] - np.minimum(j, P + n)[:, None, :]              # pos_q - pos_k
     as_t = (lambda a: to_device(a, a.dtype, device))
-    plan = TorchPlan(B, M, K, page_size, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
+    plan = TorchPlan(B, M, K, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
                      as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible[:, None]), as_t(~visible[:, None]),
                      as_t(dist[:, None]), _mask_values(device))
     if ts_rows is not None:

@@ -5,8 +5,9 @@ import datetime
 import json
 import platform
 import subprocess
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -77,6 +78,24 @@ def percentile(values, q):
     hi = np.minimum(lo + 1, x.size - 1)
     out = x[lo] + (h - lo) * (x[hi] - x[lo])
     return float(out) if out.ndim == 0 else out
+
+
+def median_time(fn: Callable[[], object], device: torch.device, repeats: int, *, warmup: int = 0,
+                timer: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` calls (after ``warmup`` untimed ones) on ``timer``;
+    CUDA work is synchronised before and after each timed call."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = timer()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(timer() - t0)
+    return float(percentile(samples, 50))
 
 
 def exceed_count(n: int, q: float) -> int:

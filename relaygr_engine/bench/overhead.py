@@ -29,7 +29,7 @@ from ..cli_args import ArgumentParser
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
-from .common import emit_result, environment, percentile
+from .common import emit_result, environment, median_time
 from .serving import cpu_timer
 
 __all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
@@ -107,18 +107,8 @@ def _per_layer(device: str) -> dict[str, float]:
 
 
 def _time(fn, device: torch.device, repeats: int, timer=time.perf_counter) -> float:
-    """Median microseconds of one call of ``fn`` on ``timer``."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = timer()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((timer() - t0) * 1e6)
-    return float(percentile(samples, 50))
+    """Median microseconds of one call of ``fn`` on ``timer`` (after one untimed call)."""
+    return median_time(fn, device, repeats, warmup=1, timer=timer) * 1e6
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -12,7 +12,6 @@ Per prefix length L, in one run on one engine:
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Optional
 
 import torch
@@ -21,26 +20,14 @@ import relaygr_engine as rg
 
 from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser
 from ..cli_args import device as device_arg
-from .common import emit_result, environment, percentile
+from .common import emit_result, environment, median_time
 
 NEW_TOKENS = 16
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time(fn, device, repeats: int) -> float:
     """Median wall time of ``fn()`` in ms."""
-    out = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return percentile(out, 50)
+    return median_time(fn, device, repeats) * 1e3
 
 
 def _history(L: int, num_items: int, seed: int) -> rg.Behaviors:
