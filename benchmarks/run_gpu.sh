@@ -5,8 +5,10 @@
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
-# Steps: env tests-cuda kernels kernels-persistent ptxas tiers rank (all by default; about 20-30 minutes on an H100,
-# most of it Triton compiling and autotuning).
+# Steps: env tests-gpu sync rank rank-small tiers slo tests-cuda kernels kernels-persistent ptxas (all by default;
+# about 20-30 minutes on an H100, most of it Triton compiling and autotuning). tests-gpu runs the CUDA tests alone
+# (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
+# inference shape (8 layers, 4 heads x 256, bf16, 4096 tokens of which 3968 cached, 256 candidates).
 # Needs torch with CUDA, triton, pybind11, cmake and ninja already installed: no network is used (the package is
 # installed with --no-build-isolation --no-deps). Each step writes its output to OUT_DIR as soon as it finishes, with
 # a header naming the device, date and commit (RELAYGR_COMMIT, else `git rev-parse`), so a run cut short keeps what
@@ -28,7 +30,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-cuda kernels kernels-persistent ptxas tiers rank}
+STEPS=${STEPS:-env tests-gpu sync rank rank-small tiers slo tests-cuda kernels kernels-persistent ptxas}
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
     local name=$1 limit=$2
@@ -41,14 +43,21 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a
 }
 
 $PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
-step env 60 $PY -m relaygr_engine.cli info
-# The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run.
-step tests-cuda 900 $PY -m pytest -q -rs python_tests -p no:cacheprovider
+step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
+step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
+step sync 120 $PY benchmarks/sync_audit.py
+step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
+    --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --json "${OUT_DIR}/rank.json"
+step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
+step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --json "${OUT_DIR}/tiers.json"
+step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --no-plots --out "${OUT_DIR}/slo"
+# The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
+# the packaging tests (a fresh virtual environment) are left out.
+xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider
 step kernels 900 $PY -m relaygr_engine.cli bench kernels --block-m 64,128 --json "${OUT_DIR}/kernels.json"
 step kernels-persistent 600 $PY -m relaygr_engine.cli bench kernels --persistent --json "${OUT_DIR}/kernels-persistent.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --stages 2 --json "${OUT_DIR}/ptxas.json"
-step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --json "${OUT_DIR}/tiers.json"
-step rank 600 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank.json"
 
 echo "results in ${OUT_DIR}"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -58,8 +58,10 @@ class Shape:
         return self.users * (n * p + n * (n + 1) // 2 + c * (p + n + 1))
 
 
-GPU_SHAPES = [Shape(4, p, 32, c, 8, d, 64, m) for m in ("softmax", "hstu")
-              for p, c, d in ((4096, 256, 128), (4096, 1024, 64), (16384, 512, 128), (16384, 1024, 64))]
+# Head dims 64 and 128 with 8 heads; 256 with 4 heads (NVIDIA's public HSTU inference configuration).
+GPU_SHAPES = [Shape(4, p, 32, c, 8 if d < 256 else 4, d, 64, m) for m in ("softmax", "hstu")
+              for p, c, d in ((4096, 256, 128), (4096, 1024, 64), (4096, 256, 256), (16384, 512, 128),
+                              (16384, 1024, 64), (16384, 1024, 256))]
 CPU_SHAPES = [Shape(2, 40, 5, 12, 2, 32, 16, m) for m in ("softmax", "hstu")]
 
 

@@ -12,11 +12,17 @@ interleaved runs after a warm-up):
 
 Scores of all three are checked to agree.
 
-Model: HSTU (or ``--attention softmax``), hidden 64, 2 heads x 32, ``--layers`` layers (default 2), fp32.
+Model: HSTU (or ``--attention softmax``), ``--layers`` layers (default 2) of ``--heads`` heads x ``--head-dim``
+(default 2 x 32, hidden = heads x head dim), ``--dtype`` (default float32; the KV pages use the same dtype).
+NVIDIA's public HSTU inference shape (8 layers, 4 heads x 256, a 4096-token block with 3968 cached and 256
+candidates) is::
+
+    relaygr bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 --page-size 64 \
+        --lengths 4096 --new 128 --candidates 256
 
     relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--layers N] [--new N] [--repeats N]
-                       [--threads N] [--device cpu|cuda] [--backend auto|torch|triton]
-                       [--lengths L,L,...] [--candidates C,C,...]
+                       [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--dtype D]
+                       [--heads H] [--head-dim D] [--page-size N] [--lengths L,L,...] [--candidates C,C,...]
 """
 from __future__ import annotations
 
@@ -25,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from ..cli_args import ArgumentParser, POSITIVE_INTS
-from ..config import CacheConfig
+from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS
+from ..config import CacheConfig, resolve_dtype
 from ..engine import RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
 from .common import emit_result, environment, percentile
@@ -68,6 +74,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"history lengths (default {','.join(map(str, LENGTHS))})")
     ap.add_argument("--candidates", type=POSITIVE_INTS, default=None, metavar="C,C,...",
                     help=f"candidate counts (default {','.join(map(str, CANDIDATES))})")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="model and KV dtype (default float32)")
+    ap.add_argument("--heads", type=POSITIVE_INT, default=2, help="attention heads (default 2)")
+    ap.add_argument("--head-dim", type=POSITIVE_INT, default=32, help="head dimension (default 32)")
+    ap.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per KV page (default 16)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,15 +88,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     repeats = 1 if args.quick else max(1, args.repeats)
     device = torch.device(args.device)
 
-    cfg = GRModelConfig(attention=args.attention, num_layers=args.layers, hidden_dim=64, num_heads=2, head_dim=32,
-                        num_items=10_000, num_actions=4, max_seq_len=max(lengths), num_tasks=2)
-    model = build_ranker(cfg, seed=0, device=device)
-    pages = sum(-(-L // 16) for L in lengths) + 16
-    engine = RelayEngine(model, CacheConfig(device=str(device), page_size=16, num_pages=pages,
+    dtype, ps = resolve_dtype(args.dtype), args.page_size
+    hidden = args.heads * args.head_dim
+    cfg = GRModelConfig(attention=args.attention, num_layers=args.layers, hidden_dim=hidden, num_heads=args.heads,
+                        head_dim=args.head_dim, num_items=10_000, num_actions=4, max_seq_len=max(lengths),
+                        num_tasks=2)
+    model = build_ranker(cfg, seed=0, device=device, dtype=dtype)
+    pages = sum(-(-L // ps) for L in lengths) + 16
+    engine = RelayEngine(model, CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype,
                                             max_pinned_fraction=1.0, lease_ttl_s=3600.0,
                                             attention_backend=args.backend), extend_on_rank=False)
     env = environment(str(device))
-    print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden 64, 2 heads x 32, fp32, "
+    print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden {hidden}, {args.heads} heads x "
+          f"{args.head_dim}, {args.dtype}, page {ps}, "
           f"{env['device_name']}, {env['threads']} threads, prefix = L - {args.new}, "
           f"median of {repeats} (after a warm-up)")
     print(f"{'L':>6} {'C':>5} {'cached':>7} {'full ms':>10} {'recomp ms':>10} {'cached ms':>10} "
@@ -114,7 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     full_ms.append(t_full)
                     recompute_ms.append(t_re)
                     cached_ms.append(t_cached)
-            diff = max(float((res.scores - full).abs().max()), float((miss.scores - full).abs().max()))
+            diff = max(float((res.scores.float() - full.float()).abs().max()),
+                       float((miss.scores.float() - full.float()).abs().max()))
             worst = max(worst, diff)
             f, rc, k = (percentile(x, 50) for x in (full_ms, recompute_ms, cached_ms))
             rows.append(dict(L=L, C=C, cached_tokens=prefix, full_ms=f, recompute_ms=rc, cached_ms=k,
@@ -126,8 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             result[f"full_ms_L{L}_C{C}"] = round(f, 2)
             result[f"recompute_ms_L{L}_C{C}"] = round(rc, 2)
             result[f"cached_ms_L{L}_C{C}"] = round(k, 2)
-    result.update(max_abs_diff=worst, attention=args.attention, layers=args.layers, device=str(device),
-                  threads=env["threads"])
+    result.update(max_abs_diff=worst, attention=args.attention, layers=args.layers, heads=args.heads,
+                  head_dim=args.head_dim, dtype=args.dtype, device=str(device), threads=env["threads"])
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))
     return 0
 
