@@ -361,7 +361,11 @@ def _plan(table: C.PageTable, *, page_size, num_pages, block_m, device) -> Prefi
     tile_user = torch.repeat_interleave(torch.arange(b), tiles)
     first = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
     tile_row = (torch.arange(num_tiles) - first) * block_m
-    table_dev = torch.stack([tile_user, tile_row]).to(torch.int32).to(device)
+    table_dev = torch.stack([tile_user, tile_row]).to(torch.int32)
+    if device.type == "cuda":  # pinned and non-blocking: planning never waits for the device
+        table_dev = table_dev.pin_memory().to(device, non_blocking=True)
+    else:
+        table_dev = table_dev.to(device)
     max_key_len = int((prefix + seqlens).max()) if b else 0
     return PrefixAttentionPlan(block_m, b, table.cu_seqlens_q[-1], page_size, num_pages, table_dev[0], table_dev[1],
                                max_key_len, int(prefix.sum()))
@@ -374,7 +378,8 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
     Parameters
     ----------
     cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len : int32 Tensors
-        As in :func:`prefix_attention`, on the device of ``kv_cache``.
+        As in :func:`prefix_attention`, on the device of ``kv_cache``, or all five on the host (the CPU): host
+        copies of the tables the layers will be given are checked and planned without any read from the device.
     kv_cache : Tensor [num_pages, 2, page_size, H, D]
         A layer's cache: its page count, page size, head dim, dtype and device decide the tiles (all layers of a
         model share them).
@@ -390,8 +395,10 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
     _check_block("block_m", block_m)
     device = kv_cache.device
     num_pages, _, page_size = kv_cache.shape[:3]
-    table = C.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
-                               device=device, num_pages=num_pages, page_size=page_size, contiguous=True)
+    tables = (cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len)
+    on_host = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tables)
+    table = C.check_page_table(*tables, device=torch.device("cpu") if on_host else device, num_pages=num_pages,
+                               page_size=page_size, contiguous=True)
     cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
     return _plan(table, page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)

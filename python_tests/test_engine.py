@@ -439,6 +439,40 @@ def test_cuda_engine_equals_full_inference(attention, backend):
     assert_exact(batch[1], model, h2, cands[:5])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_hit_path_never_waits_for_the_device(attention, backend):
+    """Host histories and candidates, a warmed-up engine: a hit and a batch of hits queue their work with no
+    device-to-host synchronisation (``forbid_device_sync``), and their scores are exact."""
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from relaygr_engine.testing import forbid_device_sync
+
+    model = rg.build_ranker(make_model(attention).config, seed=0, device="cuda")
+    engine = make_engine(model, cache=dict(device="cuda", attention_backend=backend))
+    h, h2, cands = history(100, seed=5), history(90, seed=6), candidates(37)
+    t1, t2 = engine.prefill_prefix(1, h.prefix(61)), engine.prefill_prefix(2, h2.prefix(40))
+    reqs = [rg.RankRequest(1, h, cands, t1), rg.RankRequest(2, h2, cands[:5], t2)]
+    for _ in range(2):  # first calls compile, autotune and fill the allocators
+        engine.rank_with_prefix(1, h, cands, ticket=t1)
+        engine.rank_with_prefix_batch(reqs)
+    torch.cuda.synchronize()
+    with forbid_device_sync():
+        hit = engine.rank_with_prefix(1, h, cands, ticket=t1)
+        batch = engine.rank_with_prefix_batch(reqs)
+    assert hit.source == "hbm" and [r.source for r in batch] == ["hbm", "hbm"]
+    assert_exact(hit, model, h, cands)
+    assert_exact(batch[1], model, h2, cands[:5])
+    with pytest.raises(RuntimeError, match="inside forbid_device_sync"):  # the guard itself bites
+        with forbid_device_sync():
+            torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="synchroniz"):  # implicit waits too (torch's sync debug mode)
+        with forbid_device_sync():
+            torch.ones(1, device="cuda").item()
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 def _bad_requests(h, cands, ticket):
     other = rg.PrefixTicket(True, "admitted", 99, ticket.fingerprint, 10, 1.0)

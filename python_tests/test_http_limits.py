@@ -138,6 +138,7 @@ class _Request:
 
 @pytest.fixture(scope="module")
 def replica():
+    pytest.importorskip("starlette", reason="starlette (installed with ray[serve]) builds the handler's requests")
     threads = torch.get_num_threads()
     try:
         rep = RelayReplica(ReplicaSpec(model=CFG, seed=SEED, cache=dict(num_pages=64), limits=LIMITS))

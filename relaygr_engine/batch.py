@@ -10,6 +10,7 @@ the request time (``request_time``, default the last behavior's timestamp).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._host import ship
 from .behaviors import Behaviors
 
 __all__ = ["RelayBatch", "check_request", "request_time_of"]
@@ -47,23 +49,34 @@ def request_time_of(history: Behaviors, request_time) -> Optional[int]:
     return t
 
 
+def _on(x: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``x`` may feed a model on ``device``: on that device, or on the host (moved in the batch)."""
+    return x.device == device or x.device.type == "cpu"
+
+
 def check_request(history: Behaviors, candidates: Optional[torch.Tensor], request_time,
                   device: torch.device) -> Optional[int]:
-    """Check a request's structure on ``device``; return the candidates' timestamp (None without timestamps).
+    """Check a request's structure for a model on ``device``; return the candidates' timestamp (None without
+    timestamps).
+
+    The history and the candidates may be on ``device`` or on the host (the CPU): a batch moves host rows to the
+    model's device in one copy. Host inputs are checked without any device work, so on an accelerator they keep the
+    ranking free of device-to-host synchronisation; inputs already on the accelerator cost a read-back to check.
 
     Raises
     ------
     ValueError
-        Not a :class:`Behaviors`; wrong device; empty history; a negative timestamp; candidates (when given) not a
-        non-empty 1-D int64 tensor on ``device``; ``request_time`` not an integer in ``[0, 2**63)``, or given for a
-        history without timestamps. Id ranges and lengths are the model's to check (``check_inputs``).
+        Not a :class:`Behaviors`; on another device; empty history; a negative timestamp; candidates (when given)
+        not a non-empty 1-D int64 tensor on ``device`` or the host; ``request_time`` not an integer in
+        ``[0, 2**63)``, or given for a history without timestamps. Id ranges and lengths are the model's to check
+        (``check_inputs``).
 
     Times are seconds in ``[0, 2**63)``, so every difference of two of them (the time bias's input) fits in int64.
     """
     if not isinstance(history, Behaviors):
         raise ValueError(f"history must be a Behaviors, got {type(history).__name__}")
-    if history.device != device:
-        raise ValueError(f"history must be on {device} (the model's device), got {history.device}")
+    if not _on(history.item_ids, device):
+        raise ValueError(f"history must be on {device} (the model's device) or the cpu, got {history.device}")
     if len(history) == 0:
         raise ValueError("history must hold at least one behavior, got 0")
     if history.timestamps is not None:
@@ -75,8 +88,9 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
             got = (f"{tuple(candidates.shape)} {candidates.dtype}" if isinstance(candidates, torch.Tensor)
                    else type(candidates).__name__)
             raise ValueError(f"candidates must be a 1-D int64 tensor of item ids, got {got}")
-        if candidates.device != device:
-            raise ValueError(f"candidates must be on {device} (the model's device), got {candidates.device}")
+        if not _on(candidates, device):
+            raise ValueError(f"candidates must be on {device} (the model's device) or the cpu, got "
+                             f"{candidates.device}")
         if candidates.numel() == 0:
             raise ValueError("candidates must hold at least one item id, got 0")
     return request_time_of(history, request_time)
@@ -126,7 +140,8 @@ class RelayBatch:
 
     # ------------------------------------------------------------------------------------------ building
     @classmethod
-    def full(cls, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None) -> "RelayBatch":
+    def full(cls, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None,
+             device: Optional[torch.device] = None) -> "RelayBatch":
         """The no-cache batch of one whole request: every history token, then the candidates.
 
         Parameters
@@ -135,20 +150,44 @@ class RelayBatch:
         candidates : LongTensor [C]
         request_time : int, optional
             The candidates' timestamp (default: the last behavior's).
+        device : torch.device, optional
+            Where the batch goes (default: the history's device); see :meth:`from_requests`.
         """
-        return cls.from_requests([(history, 0, candidates, request_time)])
+        return cls.from_requests([(history, 0, candidates, request_time)], device=device)
 
     @classmethod
-    def from_requests(cls, parts: Sequence[tuple]) -> "RelayBatch":
+    def from_requests(cls, parts: Sequence[tuple], device: Optional[torch.device] = None) -> "RelayBatch":
         """A batch of ``(history, start, candidates, request_time)`` parts, one per user, in order.
 
         ``start`` history tokens of a part are cached (not in the batch); ``candidates`` may be None (a prefill).
         Structure is checked; ids are not (that is the model's business).
+
+        ``device`` (default: the first history's device) is where the batch goes. Parts may be on it or on the
+        host: when every part is on the host the rows are built there and moved in one pinned, non-blocking copy
+        (no device work, no synchronisation), else host pieces are moved to ``device`` as they are used.
         """
         if not parts:
             raise ValueError("parts must hold at least one (history, start, candidates, request_time) part, got 0")
         h0 = parts[0][0]
-        dev, timed, acted = h0.device, h0.timestamps is not None, h0.action_ids is not None
+        if not isinstance(h0, Behaviors):
+            raise ValueError(f"parts[0] history must be a Behaviors, got {type(h0).__name__}")
+        target = h0.device if device is None else torch.device(device)
+        host = all(p[0].device.type == "cpu" and (p[2] is None or p[2].device.type == "cpu")
+                   for p in parts if isinstance(p[0], Behaviors) and isinstance(p[2], (torch.Tensor, type(None))))
+        batch = cls._build(parts, torch.device("cpu") if host else target)
+        return batch if batch.device == target else batch._moved(target)
+
+    def _moved(self, device: torch.device) -> "RelayBatch":
+        """This host batch on ``device``, in one copy."""
+        names = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "cu_seqlens",
+                 "num_candidates")
+        moved = ship([getattr(self, n) for n in names], device)
+        return dataclasses.replace(self, **dict(zip(names, moved)))
+
+    @classmethod
+    def _build(cls, parts: Sequence[tuple], dev: torch.device) -> "RelayBatch":
+        h0 = parts[0][0]
+        timed, acted = h0.timestamps is not None, h0.action_ids is not None
         items, actions, times, pos, ctx = [], [], [], [], []
         starts, rows, ncand = [], [], []
         for i, (h, start, c, t_req) in enumerate(parts):
@@ -160,10 +199,16 @@ class RelayBatch:
             U, T = h.num_context_tokens, h.num_tokens
             if not (isinstance(start, int) and 0 <= start <= T):
                 raise ValueError(f"parts[{i}] start must be an integer in [0, {T}], got {start!r}")
+            if c is not None and (not isinstance(c, torch.Tensor) or c.dim() != 1 or c.dtype != torch.long
+                                  or not _on(c, dev)):
+                got = f"{tuple(c.shape)} {c.dtype} on {c.device}" if isinstance(c, torch.Tensor) else type(c).__name__
+                raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev} or the cpu, got {got}")
             C = 0 if c is None else c.numel()
-            if c is not None and (c.dim() != 1 or c.dtype != torch.long or c.device != dev):
-                raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev}, got "
-                                 f"{tuple(c.shape)} {c.dtype} on {c.device}")
+            t_c = request_time_of(h, t_req) if timed and C else None  # before a move: read on the host
+            if h.device != dev:
+                h = h.to(dev)
+            if c is not None and c.device != dev:
+                c = c.to(dev)
             b0 = max(0, start - U)
             pieces = [h.context_ids[start:]] if start < U else []
             pieces.append(h.item_ids[b0:])
@@ -182,7 +227,7 @@ class RelayBatch:
                 parts_t = [ts[:1].expand(n_ctx)] if n_ctx else []
                 parts_t.append(ts[b0:])
                 if C:
-                    parts_t.append(ts.new_full((C,), request_time_of(h, t_req)))
+                    parts_t.append(ts.new_full((C,), t_c))
                 times.append(torch.cat(parts_t) if len(parts_t) > 1 else parts_t[0])
             p = torch.arange(start, T + C, device=dev)
             pos.append(p.clamp_(max=T) if C > 1 else p)
@@ -237,7 +282,7 @@ class RelayBatch:
         for n, C in zip(self.rows, self.candidates_per_user):
             idx.extend(range(r + n - C, r + n))
             r += n
-        return torch.tensor(idx, dtype=torch.long, device=self.device)
+        return ship([torch.tensor(idx, dtype=torch.long)], self.device)[0]
 
     @cached_property
     def is_behavior(self) -> torch.Tensor:

@@ -12,7 +12,8 @@ rows computed over a cached prefix see other inputs than the same rows of a whol
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from .config import CacheConfig
 from .context import batch_context, current_context, find_layers
 from .engine import RankRequest, RelayEngine
 
-__all__ = ["RelayMismatch", "check_relay_exact", "no_cache_scores"]
+__all__ = ["RelayMismatch", "check_relay_exact", "forbid_device_sync", "no_cache_scores"]
 
 PATHS = ("miss", "hit", "batch", "extend", "dram")
 
@@ -35,9 +36,45 @@ class RelayMismatch(AssertionError):
 def no_cache_scores(model: nn.Module, history: Behaviors, candidates: torch.Tensor,
                     request_time: Optional[int] = None) -> torch.Tensor:
     """The model's no-cache forward of one request: ``model(RelayBatch.full(...))`` with dense attention."""
-    batch = RelayBatch.full(history, candidates, request_time)
+    device = next((p.device for p in model.parameters()), None)
+    batch = RelayBatch.full(history, candidates, request_time, device=device)
     with torch.inference_mode(), batch_context(batch):
         return model(batch)
+
+
+@contextlib.contextmanager
+def forbid_device_sync() -> Iterator[None]:
+    """Fail on any device-to-host synchronisation inside the block (CUDA; elsewhere it checks nothing).
+
+    Implicit waits (``.item()``, ``.tolist()``, ``.cpu()``, blocking copies, ``nonzero``, ...) raise through
+    torch's sync debug mode set to ``"error"``; explicit ones (``torch.cuda.synchronize``,
+    ``Stream.synchronize``, ``Event.synchronize``) raise ``RuntimeError`` naming the call. Use it to check that a
+    warmed-up ranking (first calls compile and autotune kernels) queues its work without waiting for it::
+
+        with rg.testing.forbid_device_sync():
+            result = engine.rank_with_prefix(user, history, candidates, ticket=ticket)
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+    waits = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
+    saved = [getattr(owner, name) for owner, name in waits]
+
+    def refuse(what: str):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"{what} was called inside forbid_device_sync()")
+        return call
+
+    mode = torch.cuda.get_sync_debug_mode()
+    try:
+        for owner, name in waits:
+            setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+        torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+        for (owner, name), fn in zip(waits, saved):
+            setattr(owner, name, fn)
 
 
 class _LayerTap:

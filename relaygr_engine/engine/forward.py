@@ -1,20 +1,20 @@
 """Batch and forward-context building: the jobs of one engine call through the user's model in one relay forward."""
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .._host import to_device
+from .._host import ship, to_device
 from ..batch import RelayBatch
 from ..config import AttentionBackend
 from ..context import PagedState, paged_context
 from ..torch_plan import build_torch_plan
 from ..ops import _resolve_backend, plan_paged_attention
 from .records import Job
+from .timing import LazyTimer
 from .tiers import CacheState
 
 __all__ = ["ForwardRunner"]
@@ -38,6 +38,7 @@ class ForwardRunner:
                  compile_attention: bool = False) -> None:
         self.model, self.layers, self.state = model, list(layers), state
         self.compile_attention = compile_attention
+        self.timer = LazyTimer(state.cache.device)
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
@@ -48,7 +49,7 @@ class ForwardRunner:
         out: list = [None] * len(jobs)
         if not jobs:
             return out
-        t0 = time.perf_counter()
+        mark = self.timer.start(sum(j.num_rows for j in jobs))
         groups: dict[tuple, list[int]] = {}
         for i, j in enumerate(jobs):
             h = j.prep.history
@@ -56,14 +57,15 @@ class ForwardRunner:
         for group in groups.values():
             for i, scores in zip(group, self._run_group([jobs[i] for i in group])):
                 out[i] = scores
-        self.state.sync()
-        self.state.expander.observe_recompute(sum(j.num_rows for j in jobs), time.perf_counter() - t0)
+        for rows, seconds in self.timer.stop(mark):  # no wait for the device: spans finished by now
+            self.state.expander.observe_recompute(rows, seconds)
         return out
 
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
-        batch = RelayBatch.from_requests([(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs])
+        batch = RelayBatch.from_requests([(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs],
+                                         device=dev)
         indptr, last, indices = [0], [], []
         w_rows, w_pages, w_slots = [], [], []
         r0 = 0
@@ -79,15 +81,16 @@ class ForwardRunner:
                 w_pages.append(np.asarray(j.write_pages)[tok // ps])
                 w_slots.append(tok % ps)
             r0 += rows
-        i32 = (lambda a: to_device(a, np.int32, dev))
         i64 = (lambda a: to_device(np.concatenate(a), np.int64, dev))
-        kv_indptr, kv_indices, kv_last = i32(indptr), i32(np.concatenate(indices)), i32(last)
+        host = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+                for a in (indptr, np.concatenate(indices), last, np.cumsum([0, *batch.rows]),
+                          batch.candidates_per_user)]
+        kv_indptr, kv_indices, kv_last = ship(host[:3], dev)
         backend = _resolve_backend(st.config.attention_backend, dev)
         timed = batch.timestamps is not None
         paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
                            kv_flat=cache.kv_flat, compiled=self.compile_attention,
-                           plan=plan_paged_attention(cache.kv[0], kv_indptr, kv_indices, kv_last, batch.cu_seqlens,
-                                                     batch.num_candidates, backend=backend))
+                           plan=plan_paged_attention(cache.kv[0], *host[:3], *host[3:], backend=backend))
         if backend is AttentionBackend.TORCH:
             paged.torch_plan = build_torch_plan(
                 batch.rows, batch.candidates_per_user, [j.start for j in jobs],

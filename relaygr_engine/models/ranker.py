@@ -166,7 +166,7 @@ class GRRanker(nn.Module):
 
     def embed_rows(self, history: Behaviors, start: int, candidates: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Input embeddings of history tokens ``start .. T-1``, then of the candidates: ``[T - start + C, d]``."""
-        return self.embed(RelayBatch.from_requests([(history, start, candidates, None)]))
+        return self.embed(RelayBatch.from_requests([(history, start, candidates, None)], device=self.device))
 
     def row_timestamps(self, history: Behaviors, start: int, num_candidates: int,
                        request_time: Optional[int]) -> Optional[torch.Tensor]:
@@ -217,7 +217,7 @@ class GRRanker(nn.Module):
         Tensor [C, num_tasks]
         """
         self.check_inputs(history, candidates, request_time)
-        return self(RelayBatch.full(history, candidates, request_time))
+        return self(RelayBatch.full(history, candidates, request_time, device=self.device))
 
     @torch.inference_mode()
     def rank_uncached(self, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None,
@@ -234,7 +234,7 @@ class GRRanker(nn.Module):
         Tensor [C, num_tasks]
         """
         self.check_inputs(history, candidates, request_time)
-        batch = RelayBatch.full(history, candidates, request_time)
+        batch = RelayBatch.full(history, candidates, request_time, device=self.device)
         layers = find_layers(self)
         dev, cfg = self.device, self.config
         empty = torch.empty((0, 2, 1, cfg.num_heads, max(cfg.head_dim, cfg.value_dim)), dtype=self.dtype, device=dev)
