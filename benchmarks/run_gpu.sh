@@ -49,7 +49,9 @@ step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --json "${OUT_DIR}/rank.json"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
-step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --json "${OUT_DIR}/tiers.json"
+# DRAM reload at NVIDIA's model size (8 layers, 4 x 256): 16 MiB of KV per 1024 tokens in bf16.
+step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --layers 8 --heads 4 --head-dim 256 --page-size 64 \
+    --lengths 1024,4096,8192 --json "${OUT_DIR}/tiers.json"
 step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --no-plots --out "${OUT_DIR}/slo"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.

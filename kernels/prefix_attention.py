@@ -94,7 +94,6 @@ def _prefix_attention_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_page, stride_kv, stride_slot, stride_head,
     scale, inv_norm,
-    tune_len,                                         # autotune key only (rounded key length)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
@@ -258,7 +257,11 @@ CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_sta
 # NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
 NPU_BLOCK_M = 64
 NPU_BLOCK_N = 64
-AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT", "tune_len"]
+# No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
+# never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
+# caught behind it would pay; ``relaygr bench slo`` on an H100 saw P99 jump from 12 to 323 ms). ``relaygr bench
+# kernels`` clears the choices per shape (``reset_autotuning``) so each shape is timed with its own best config.
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT"]
 
 
 def pick_config(device: torch.device, dtype: torch.dtype, head_dim: int, block_m: int | None = None,
@@ -275,6 +278,12 @@ def pick_config(device: torch.device, dtype: torch.dtype, head_dim: int, block_m
 
 
 _autotuned = None
+
+
+def reset_autotuning() -> None:
+    """Forget the autotuned configs chosen so far (the next call of each variant tunes again)."""
+    if _autotuned is not None:
+        _autotuned.cache.clear()
 
 
 def _autotuned_kernel():
@@ -548,7 +557,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        scale, inv_norm, C.next_pow2(plan.max_key_len),
+        scale, inv_norm,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,

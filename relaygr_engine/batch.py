@@ -96,6 +96,10 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
     return request_time_of(history, request_time)
 
 
+def _int32(values: list, device: torch.device) -> torch.Tensor:
+    return ship([torch.tensor(values, dtype=torch.int32)], device)[0]
+
+
 @dataclass(frozen=True, eq=False)
 class RelayBatch:
     """Rows of many users, flattened: each user's new history rows, then its candidates.
@@ -205,10 +209,10 @@ class RelayBatch:
                 raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev} or the cpu, got {got}")
             C = 0 if c is None else c.numel()
             t_c = request_time_of(h, t_req) if timed and C else None  # before a move: read on the host
-            if h.device != dev:
-                h = h.to(dev)
+            if h.device != dev:  # host pieces of a batch built on the device: non-blocking copies
+                h = Behaviors(*ship([h.item_ids, h.action_ids, h.timestamps, h.context_ids], dev))
             if c is not None and c.device != dev:
-                c = c.to(dev)
+                c = ship([c], dev)[0]
             b0 = max(0, start - U)
             pieces = [h.context_ids[start:]] if start < U else []
             pieces.append(h.item_ids[b0:])
@@ -251,8 +255,8 @@ class RelayBatch:
         cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))
         return cls(item_ids=cat(items), action_ids=cat(actions) if acted else None,
                    timestamps=cat(times) if timed else None, positions=cat(pos), is_candidate=is_candidate,
-                   is_context=is_context, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-                   num_candidates=torch.tensor(ncand, dtype=torch.int32, device=dev), start=tuple(starts),
+                   is_context=is_context, cu_seqlens=_int32(cu, dev), num_candidates=_int32(ncand, dev),
+                   start=tuple(starts),
                    rows=tuple(rows), candidates_per_user=tuple(ncand))
 
     # ------------------------------------------------------------------------------------------ views

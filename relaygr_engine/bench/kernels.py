@@ -221,7 +221,7 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row."""
-    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention
+    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
     cargs, _ = _problem(shape, device, dtype, contiguous=True)
@@ -236,6 +236,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
     run = lambda a, k, p: prefix_attention(**a, **k, persistent=persistent, plan=p)  # noqa: E731
     used_m = plan.block_m
+    reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
     base = base.transpose(1, 2).reshape(out.shape)
@@ -244,6 +245,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
+    reset_autotuning()
     t_full = _time(lambda: run(rargs, rkw, rplan), device, warmup, iters)
     t_plan = _time(lambda: plan_of(args), device, warmup, iters)
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()

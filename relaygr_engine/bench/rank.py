@@ -115,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not ticket.admitted:
             raise RuntimeError(f"prefill of {prefix} tokens was not admitted: {ticket.reason}")
         for C in cands:
-            c = torch.randint(0, cfg.num_items, (C,), generator=torch.Generator().manual_seed(C), device=device)
+            c = torch.randint(0, cfg.num_items, (C,), generator=torch.Generator().manual_seed(C))  # on the host
             full_ms, recompute_ms, cached_ms = [], [], []
             for r in range(repeats + 1):  # run 0 warms up
                 t_full, full = _time(lambda: model.rank_full(hist, c), device)

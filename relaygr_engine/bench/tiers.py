@@ -98,6 +98,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lengths", type=POSITIVE_INTS, default=[256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--candidates", type=POSITIVE_INT, default=64)
     ap.add_argument("--page-size", type=POSITIVE_INT, default=16)
+    ap.add_argument("--layers", type=POSITIVE_INT, default=2, help="HSTU layers (default 2)")
+    ap.add_argument("--heads", type=POSITIVE_INT, default=2, help="attention heads (default 2)")
+    ap.add_argument("--head-dim", type=POSITIVE_INT, default=32,
+                    help="head dimension (default 32; hidden = heads x head dim)")
     ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
     ap.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 256,1024, two repeats")
@@ -109,7 +113,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     lengths = [256, 1024] if args.quick else args.lengths
     repeats = 2 if args.quick else args.repeats
-    cfg = rg.GRModelConfig(attention="hstu", num_layers=2, hidden_dim=64, num_heads=2, head_dim=32,
+    cfg = rg.GRModelConfig(attention="hstu", num_layers=args.layers, hidden_dim=args.heads * args.head_dim,
+                           num_heads=args.heads, head_dim=args.head_dim,
                            num_items=10000, num_actions=4, max_seq_len=max(lengths) + NEW_TOKENS, num_tasks=2)
     model = rg.build_ranker(cfg, seed=0, device=device)
     if dtype != "float32":
@@ -117,7 +122,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cands = torch.randint(0, cfg.num_items, (args.candidates,), generator=torch.Generator().manual_seed(0))
     env = environment(str(device))
     print(f"relaygr bench tiers on {env['device_name']} ({device}, {dtype}, {torch.get_num_threads()} threads): "
-          f"HSTU 2 layers, hidden 64, 2x32 heads, page {args.page_size}, C={args.candidates}, "
+          f"HSTU {cfg.num_layers} layers, hidden {cfg.hidden_dim}, {cfg.num_heads}x{cfg.head_dim} heads, "
+          f"page {args.page_size}, C={args.candidates}, "
           f"{NEW_TOKENS} new tokens, median of {repeats}")
     head = f"{'L':>6s} {'MB':>7s} {'reload ms':>10s} {'recompute ms':>13s} {'ratio':>7s} " \
            f"{'rank dram ms':>13s} {'rank recomp ms':>15s} {'reload GB/s':>12s}"

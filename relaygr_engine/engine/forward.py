@@ -61,6 +61,15 @@ class ForwardRunner:
             self.state.expander.observe_recompute(rows, seconds)
         return out
 
+    def _plan(self, backend: AttentionBackend, tables: list[torch.Tensor], batch: RelayBatch):
+        """The Triton kernel's tile schedule (None for the torch backend), planned from host copies of the page
+        table and row layout: no read from the device."""
+        if backend is not AttentionBackend.TRITON:
+            return None
+        rows = [torch.from_numpy(np.asarray(a, dtype=np.int32)) for a in (np.cumsum([0, *batch.rows]),
+                                                                           batch.candidates_per_user)]
+        return plan_paged_attention(self.state.cache.kv[0], *tables, *rows, backend=backend)
+
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
@@ -82,15 +91,14 @@ class ForwardRunner:
                 w_slots.append(tok % ps)
             r0 += rows
         i64 = (lambda a: to_device(np.concatenate(a), np.int64, dev))
-        host = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-                for a in (indptr, np.concatenate(indices), last, np.cumsum([0, *batch.rows]),
-                          batch.candidates_per_user)]
-        kv_indptr, kv_indices, kv_last = ship(host[:3], dev)
+        host = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)) for a in (indptr, np.concatenate(indices),
+                                                                                      last)]
+        kv_indptr, kv_indices, kv_last = ship(host, dev)
         backend = _resolve_backend(st.config.attention_backend, dev)
         timed = batch.timestamps is not None
         paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
                            kv_flat=cache.kv_flat, compiled=self.compile_attention,
-                           plan=plan_paged_attention(cache.kv[0], *host[:3], *host[3:], backend=backend))
+                           plan=self._plan(backend, host, batch))
         if backend is AttentionBackend.TORCH:
             paged.torch_plan = build_torch_plan(
                 batch.rows, batch.candidates_per_user, [j.start for j in jobs],
