@@ -30,7 +30,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu sync rank rank-small tiers slo tests-cuda kernels kernels-persistent ptxas}
+STEPS=${STEPS:-env tests-gpu sync rank rank-small profile tiers slo tests-cuda kernels kernels-persistent ptxas}
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
     local name=$1 limit=$2
@@ -48,6 +48,7 @@ step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --json "${OUT_DIR}/rank.json"
+step profile 300 $PY benchmarks/profile_rank.py
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256): 16 MiB of KV per 1024 tokens in bf16.
 step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --layers 8 --heads 4 --head-dim 256 --page-size 64 \

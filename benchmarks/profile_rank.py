@@ -1,0 +1,68 @@
+"""Profile one cached ranking at NVIDIA's public HSTU inference shape on CUDA (where its time goes).
+
+8 layers, 4 heads x 256, bf16, a 4096-token history of which 3968 are cached, 256 candidates: prints the device
+kernels by total CUDA time, the host-side aten ops by CPU time (torch.profiler), and the engine's Python functions
+by cumulative time (cProfile), each for ``--calls`` warmed-up rankings.
+
+    python benchmarks/profile_rank.py [--calls 5]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import relaygr_engine as rg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+    L, new, C = 4096, 128, 256
+    cfg = rg.GRModelConfig(attention="hstu", num_layers=8, hidden_dim=1024, num_heads=4, head_dim=256,
+                           num_items=10_000, num_actions=4, max_seq_len=L, num_tasks=2)
+    model = rg.build_ranker(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
+    engine = rg.RelayEngine(model, rg.CacheConfig(device="cuda", page_size=64, num_pages=160, dtype=torch.bfloat16,
+                                                  max_pinned_fraction=1.0, lease_ttl_s=3600.0),
+                            extend_on_rank=False)
+    g = torch.Generator().manual_seed(0)
+    hist = rg.Behaviors(item_ids=torch.randint(0, 10_000, (L,), generator=g),
+                        action_ids=torch.randint(0, 4, (L,), generator=g),
+                        timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
+    cands = torch.randint(0, 10_000, (C,), generator=g)
+    engine.prefill_prefix(1, hist.prefix(L - new))
+    rank = (lambda: engine.rank_with_prefix(1, hist, cands))
+    for _ in range(3):
+        rank()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        rank()
+    t_host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t_all = time.perf_counter() - t0
+    print(f"per ranking: {t_all / args.calls * 1e3:.2f} ms end to end, {t_host / args.calls * 1e3:.2f} ms to queue "
+          f"(host)")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            rank()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(ka.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(args.calls):
+        rank()
+    torch.cuda.synchronize()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
