@@ -39,6 +39,7 @@ import triton.language as tl
 from ..config import AttentionMode, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
+from ._split import merge_splits, pick_splits
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config"]
@@ -89,7 +90,8 @@ def _prefix_attention_kernel(
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
     pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
-    num_heads, num_work, num_programs,
+    ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D], [S, total_q, H, 2]
+    num_heads, num_work, num_programs, num_splits, split_len, total_q,
     num_pos, num_ts_bounds, stride_ts_page,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_page, stride_kv, stride_slot, stride_head,
@@ -98,7 +100,7 @@ def _prefix_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid = tl.program_id(0)
@@ -117,8 +119,9 @@ def _prefix_attention_kernel(
         work_step = 1
 
     for work in range(pid, work_end, work_step):
-        tile = work // num_heads
-        head = work % num_heads
+        split = work % num_splits                               # prefix chunk (0 without SPLIT)
+        tile = work // num_splits // num_heads
+        head = work // num_splits % num_heads
         user = tl.load(tile_user_ptr + tile)
         row0 = tl.load(tile_row_ptr + tile)
         q_start = tl.load(cu_q_ptr + user)
@@ -142,7 +145,8 @@ def _prefix_attention_kernel(
 
         # Candidate rows start from their self term (key = the row's own k/v, distance 0, time delta 0), so the
         # state enters the key loop already holding it and k/v of the rows are dead before the loop.
-        self_ok = is_cand[:, None] & d_ok[None, :]
+        self_on = is_cand & (rows * 0 + split == 0)            # split 0 also owns the self term and new rows
+        self_ok = self_on[:, None] & d_ok[None, :]
         k_self = tl.load(k_ptr + g_rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
                          mask=self_ok, other=0.0).to(tl.float32)
         v_self = tl.load(v_ptr + g_rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :],
@@ -154,24 +158,25 @@ def _prefix_attention_kernel(
                 s_self += tl.load(pos_bias_ptr)
             if HAS_TS:
                 s_self += tl.load(ts_bias_ptr)
-            p_self = tl.where(is_cand, s_self * tl.sigmoid(s_self), 0.0)
+            p_self = tl.where(self_on, s_self * tl.sigmoid(s_self), 0.0)
             acc = p_self[:, None] * v_self
             m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused in hstu mode
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         else:
-            m_i = tl.where(is_cand, s_self * qk_scale, -1.0e30)  # running max of log2-scaled logits
-            l_i = tl.where(is_cand, 1.0, 0.0)                     # running sum of exp2(logit - m_i)
+            m_i = tl.where(self_on, s_self * qk_scale, -1.0e30)  # running max of log2-scaled logits
+            l_i = tl.where(self_on, 1.0, 0.0)                     # running sum of exp2(logit - m_i)
             acc = v_self                                          # zero for non-candidate rows
         new_end = tl.minimum(n_hist, row0 + BLOCK_M)            # new history keys any row of the tile sees
 
-        # Phase 0 streams cached prefix tokens [0, P) from pages, phase 1 new history rows [P, P + new_end).
+        # Phase 0 streams this split's cached prefix tokens from pages ([0, P) without SPLIT), phase 1 the new
+        # history rows [P, P + new_end) (split 0 only).
         for PHASE in tl.static_range(2):
             if PHASE == 0:
-                lo = 0
-                hi = prefix_len
+                lo = split * split_len
+                hi = tl.minimum(lo + split_len, prefix_len)
             else:
                 lo = prefix_len
-                hi = prefix_len + new_end
+                hi = tl.where(split == 0, prefix_len + new_end, prefix_len)
             for start in range(lo, hi, BLOCK_N):
                 kpos = start + offs_n
                 k_ok = kpos < hi
@@ -218,12 +223,20 @@ def _prefix_attention_kernel(
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                     m_i = m_new
 
-        if HSTU:
-            out = acc * inv_norm
+        if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
+            ws_rows = (split * total_q + g_rows) * num_heads + head
+            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            if not HSTU:
+                tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
+                tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
         else:
-            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            if HSTU:
+                out = acc * inv_norm
+            else:
+                out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------------------ configs
@@ -261,7 +274,7 @@ NPU_BLOCK_N = 64
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay; ``relaygr bench slo`` on an H100 saw P99 jump from 12 to 323 ms). ``relaygr bench
 # kernels`` clears the choices per shape (``reset_autotuning``) so each shape is timed with its own best config.
-AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT"]
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT", "SPLIT"]
 
 
 def pick_config(device: torch.device, dtype: torch.dtype, head_dim: int, block_m: int | None = None,
@@ -421,7 +434,7 @@ def _check_block(name: str, size) -> None:
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
-                     plan: Optional[PrefixAttentionPlan] = None) -> torch.Tensor:
+                     plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -469,6 +482,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         This batch's schedule from :func:`plan_prefix_attention` (built once, reused by every layer): the call then
         reads nothing back from the device. It must have been built for this batch's metadata (its batch size,
         row count and device are checked, the table contents are trusted). Without it, the call plans for itself.
+    splits : int, optional
+        Split each user's cached prefix over this many programs (flash-decoding style), their partial sums merged
+        after the kernel (:func:`~relaygr_engine.kernels._split.merge_splits`). Default: by device
+        (:func:`~relaygr_engine.kernels._split.pick_splits`: on CUDA when the tiles alone leave most SMs idle, e.g.
+        one user's few hundred rows against a long prefix; never elsewhere).
 
     Returns
     -------
@@ -537,8 +555,15 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan = _plan(table, page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
-    num_work = plan.num_tiles * num_heads
+    num_splits = pick_splits(device, plan.num_tiles * num_heads, plan.max_key_len, splits,
+                             interpreted=C.is_interpreted(_prefix_attention_kernel))
+    split_len = C.cdiv(max(plan.max_key_len, 1), num_splits)
+    num_work = plan.num_tiles * num_heads * num_splits
     programs = C.num_programs(device, num_work, persistent)
+    ws = ml = q  # stand-ins without SPLIT (never written)
+    if num_splits > 1:
+        ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=device)
+        ml = ws if hstu else torch.empty((num_splits, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits, ts_steps = _ts_search(ts_bias.numel()) if has_ts else (1, 0)
     ts_table = has_ts and ts_fn is not TimeBucket.LOG2
@@ -551,8 +576,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan.tile_user, plan.tile_row,
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
-        ts_bounds if ts_table else dummy,
-        num_heads, num_work, programs,
+        ts_bounds if ts_table else dummy, ws, ml,
+        num_heads, num_work, programs, num_splits, split_len, total_q,
         pos_bias.numel() if has_pos else 1, ts_bounds.numel() if ts_table else 0,
         ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -562,7 +587,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 BLOCK_M=cfg.block_m, HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
-                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent)
+                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1)
     with C.device_guard(device):
         if cfg.block_n is None:
             _autotuned_kernel()[(programs,)](*args, **meta)
@@ -571,4 +596,6 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
             if cfg.num_warps is not None:
                 extra = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             _prefix_attention_kernel[(programs,)](*args, BLOCK_N=cfg.block_n, **meta, **extra)
+    if num_splits > 1:
+        out.copy_(merge_splits(ws, None if hstu else ml, inv_norm))
     return out

@@ -93,8 +93,8 @@ def attention_kwargs(mode, bias, head_dim, which=("pos", "ts")):
     return kw
 
 
-def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL):
-    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n)
+def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL, splits=None):
+    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n, splits=splits)
     ref = prefix_attention_ref(**args, **kw)
     assert out.shape == ref.shape and out.dtype == args["q"].dtype
     assert torch.isfinite(out).all()
@@ -151,6 +151,20 @@ def test_prefix_attention_matches_reference(case, mode):
     persistent = (sorted(ATTN_CASES).index(case) + (mode == "hstu")) % 2 == 0  # alternate the grid per case
     check_attention(args, attention_kwargs(mode, bias, head_dim), persistent=persistent, block_m=block_m,
                     block_n=block_n)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_prefix_attention_split_prefix_matches_reference(mode, splits):
+    """Split-prefix programs (flash-decoding style) and their merge: users with long, short and no prefix, chunks
+    that end mid-page and splits left with no keys at all."""
+    users = [(150, 7, 20), (3, 2, 4), (0, 5, 3), (97, 0, 9)]
+    args, bias = make_problem(users, 16, 2, 32, seed=splits)
+    check_attention(args, attention_kwargs(mode, bias, 32), persistent=splits == 5, block_m=16, block_n=16,
+                    splits=splits)
+    with pytest.raises(ValueError, match="splits must be an integer in"):
+        prefix_attention(**args, **attention_kwargs(mode, bias, 32), splits=0)
 
 
 @needs_interpreter
@@ -561,6 +575,24 @@ def test_prefix_attention_bf16_cuda(mode, persistent):
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_prefix_attention_split_prefix_bf16_cuda(mode):
+    """A ranking's shape (one user, few rows, long prefix): the automatic split choice splits, and forced splits
+    agree with the reference."""
+    from relaygr_engine.kernels._split import pick_splits
+
+    users = [(4000, 64, 256)]
+    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 128)
+    assert pick_splits(torch.device("cuda"), 5 * 4, 4000 + 320) > 1
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    for splits in (None, 3):
+        out = prefix_attention(**args, **kw, splits=splits)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 @gpu

@@ -82,7 +82,7 @@ def attention_types(pointer: str) -> dict:
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
     types.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64",
-                 ts_bounds_ptr="*i64", scale="fp32", inv_norm="fp32")
+                 ts_bounds_ptr="*i64", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32", inv_norm="fp32")
     return types
 
 
@@ -97,7 +97,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                       BLOCK_M=block_m, BLOCK_N=block_n, HSTU=hstu, HAS_POS=hstu, HAS_TS=hstu, TS_BITS=ts_bits,
                       TS_STEPS=ts_steps, TS_TABLE=False, TS_ABS=False,
-                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent)
+                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False)
     return compile_kernel(pa._prefix_attention_kernel, attention_types("*" + dtype), constexprs, arch=arch,
                           num_warps=num_warps, num_stages=num_stages)
 
