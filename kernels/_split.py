@@ -25,10 +25,11 @@ MIN_SPLIT_KEYS = 512   # keys per split at least: below it a split's fixed cost 
 MAX_SPLITS = 32
 
 
-def pick_splits(device: torch.device, num_work: int, max_key_len: int, splits: Optional[int] = None, *,
+def pick_splits(device: torch.device, num_work: int, max_prefix_len: int, splits: Optional[int] = None, *,
                 interpreted: bool = False) -> int:
     """Programs per (tile, head): ``splits`` when given (checked), else on CUDA enough to give every SM about two
-    programs, with at least :data:`MIN_SPLIT_KEYS` keys each; 1 elsewhere (and in the interpreter)."""
+    programs, with at least :data:`MIN_SPLIT_KEYS` cached keys each (so a batch with no or short cached prefixes,
+    a prefill or a no-cache forward, is never split); 1 elsewhere (and in the interpreter)."""
     if splits is not None:
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
@@ -39,7 +40,7 @@ def pick_splits(device: torch.device, num_work: int, max_key_len: int, splits: O
     cores = C._num_cores("cuda", index)
     if num_work >= cores:
         return 1
-    return max(1, min(C.cdiv(2 * cores, num_work), max_key_len // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return max(1, min(C.cdiv(2 * cores, num_work), max_prefix_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], inv_norm: float) -> torch.Tensor:

@@ -350,7 +350,9 @@ class PrefixAttentionPlan:
     tile_user, tile_row : int32 Tensor [num_tiles]
         On the device: each tile's user and first row in that user's segment.
     max_key_len : int
-        Longest prefix + segment of a user (the rounded autotune key).
+        Longest prefix + segment of a user.
+    max_prefix_len : int
+        Longest cached prefix of a user (what split-prefix scheduling divides).
     num_cached : int
         Cached tokens over all users.
     """
@@ -364,6 +366,7 @@ class PrefixAttentionPlan:
     tile_row: torch.Tensor
     max_key_len: int
     num_cached: int
+    max_prefix_len: int = 0
 
     @property
     def num_tiles(self) -> int:
@@ -390,7 +393,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, block_m, device) -> Prefi
         table_dev = table_dev.to(device)
     max_key_len = int((prefix + seqlens).max()) if b else 0
     return PrefixAttentionPlan(block_m, b, table.cu_seqlens_q[-1], page_size, num_pages, table_dev[0], table_dev[1],
-                               max_key_len, int(prefix.sum()))
+                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
@@ -555,9 +558,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan = _plan(table, page_size=page_size, num_pages=num_pages, block_m=cfg.block_m, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
-    num_splits = pick_splits(device, plan.num_tiles * num_heads, plan.max_key_len, splits,
+    num_splits = pick_splits(device, plan.num_tiles * num_heads, plan.max_prefix_len, splits,
                              interpreted=C.is_interpreted(_prefix_attention_kernel))
-    split_len = C.cdiv(max(plan.max_key_len, 1), num_splits)
+    split_len = C.cdiv(max(plan.max_prefix_len, 1), num_splits)
     num_work = plan.num_tiles * num_heads * num_splits
     programs = C.num_programs(device, num_work, persistent)
     ws = ml = q  # stand-ins without SPLIT (never written)

@@ -588,7 +588,8 @@ def test_prefix_attention_split_prefix_bf16_cuda(mode):
     users = [(4000, 64, 256)]
     args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
     kw = attention_kwargs(mode, bias, 128)
-    assert pick_splits(torch.device("cuda"), 5 * 4, 4000 + 320) > 1
+    assert pick_splits(torch.device("cuda"), 5 * 4, 4000) > 1
+    assert pick_splits(torch.device("cuda"), 5 * 4, 0) == 1  # nothing cached (a prefill): never split
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     for splits in (None, 3):
         out = prefix_attention(**args, **kw, splits=splits)
@@ -621,3 +622,20 @@ def test_kv_write_and_pack_bf16_cuda():
     dest = [torch.zeros_like(c) for c in caches]
     kv_unpack(host, dest, ids)
     assert all(torch.equal(d[ids], c[ids]) for d, c in zip(dest, caches))
+
+
+def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monkeypatch):
+    from relaygr_engine.kernels import _split
+
+    monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
+    cuda = torch.device("cuda", 0)
+    assert _split.pick_splits(cuda, 24, 3968) == 7           # 24 programs on 132 cores: 3968 // 512 keys-limited
+    assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
+    assert _split.pick_splits(cuda, 24, 511) == 1            # too few cached keys per split
+    assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
+    assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
+    assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
+    assert _split.pick_splits(torch.device("cpu"), 1, 0, splits=4) == 4
+    for bad in (0, 33, True, 2.0):
+        with pytest.raises(ValueError, match="splits must be an integer in"):
+            _split.pick_splits(cuda, 24, 3968, splits=bad)
