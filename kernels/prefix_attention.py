@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import ship
 from ..config import AttentionMode, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
@@ -386,11 +387,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, block_m, device) -> Prefi
     tile_user = torch.repeat_interleave(torch.arange(b), tiles)
     first = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
     tile_row = (torch.arange(num_tiles) - first) * block_m
-    table_dev = torch.stack([tile_user, tile_row]).to(torch.int32)
-    if device.type == "cuda":  # pinned and non-blocking: planning never waits for the device
-        table_dev = table_dev.pin_memory().to(device, non_blocking=True)
-    else:
-        table_dev = table_dev.to(device)
+    table_dev = ship([torch.stack([tile_user, tile_row]).to(torch.int32)], device)[0]  # never waits for the device
     max_key_len = int((prefix + seqlens).max()) if b else 0
     return PrefixAttentionPlan(block_m, b, table.cu_seqlens_q[-1], page_size, num_pages, table_dev[0], table_dev[1],
                                max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from ._host import ship
+from ._host import ship, to_device
 from .behaviors import Behaviors
 
 __all__ = ["RelayBatch", "check_request", "request_time_of"]
@@ -94,10 +95,6 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
         if candidates.numel() == 0:
             raise ValueError("candidates must hold at least one item id, got 0")
     return request_time_of(history, request_time)
-
-
-def _int32(values: list, device: torch.device) -> torch.Tensor:
-    return ship([torch.tensor(values, dtype=torch.int32)], device)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -255,9 +252,9 @@ class RelayBatch:
         cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))
         return cls(item_ids=cat(items), action_ids=cat(actions) if acted else None,
                    timestamps=cat(times) if timed else None, positions=cat(pos), is_candidate=is_candidate,
-                   is_context=is_context, cu_seqlens=_int32(cu, dev), num_candidates=_int32(ncand, dev),
-                   start=tuple(starts),
-                   rows=tuple(rows), candidates_per_user=tuple(ncand))
+                   is_context=is_context, cu_seqlens=to_device(cu, np.int32, dev),
+                   num_candidates=to_device(ncand, np.int32, dev), start=tuple(starts), rows=tuple(rows),
+                   candidates_per_user=tuple(ncand))
 
     # ------------------------------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -286,7 +283,7 @@ class RelayBatch:
         for n, C in zip(self.rows, self.candidates_per_user):
             idx.extend(range(r + n - C, r + n))
             r += n
-        return ship([torch.tensor(idx, dtype=torch.long)], self.device)[0]
+        return to_device(idx, np.int64, self.device)
 
     @cached_property
     def is_behavior(self) -> torch.Tensor:
