@@ -16,6 +16,7 @@ import time
 import torch
 
 import relaygr_engine as rg
+from relaygr_engine.bench.common import synthetic_history
 
 
 def main() -> None:
@@ -29,11 +30,8 @@ def main() -> None:
     engine = rg.RelayEngine(model, rg.CacheConfig(device="cuda", page_size=64, num_pages=160, dtype=torch.bfloat16,
                                                   max_pinned_fraction=1.0, lease_ttl_s=3600.0),
                             extend_on_rank=False)
-    g = torch.Generator().manual_seed(0)
-    hist = rg.Behaviors(item_ids=torch.randint(0, 10_000, (L,), generator=g),
-                        action_ids=torch.randint(0, 4, (L,), generator=g),
-                        timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
-    cands = torch.randint(0, 10_000, (C,), generator=g)
+    hist = synthetic_history(L, 10_000, seed=0)
+    cands = torch.randint(0, 10_000, (C,), generator=torch.Generator().manual_seed(1))
     engine.prefill_prefix(1, hist.prefix(L - new))
     rank = (lambda: engine.rank_with_prefix(1, hist, cands))
     for _ in range(3):

@@ -15,13 +15,7 @@ import warnings
 import torch
 
 import relaygr_engine as rg
-
-
-def _history(L, seed):
-    g = torch.Generator().manual_seed(seed)
-    return rg.Behaviors(item_ids=torch.randint(0, 1000, (L,), generator=g),
-                        action_ids=torch.randint(0, 4, (L,), generator=g),
-                        timestamps=torch.cumsum(torch.randint(0, 3000, (L,), generator=g), 0) + 1_700_000_000)
+from relaygr_engine.bench.common import synthetic_history
 
 
 def audit(fn):
@@ -56,7 +50,7 @@ def main():
         for backend in ("triton", "torch"):
             engine = rg.RelayEngine(model, rg.CacheConfig(device="cuda", page_size=16, num_pages=256,
                                                           lease_ttl_s=3600.0, attention_backend=backend))
-            h, h2 = _history(100, 1), _history(90, 2)
+            h, h2 = synthetic_history(100, 1000, 1), synthetic_history(90, 1000, 2)
             cands_host = torch.randint(0, 1000, (37,))
             t1 = engine.prefill_prefix(1, h.prefix(80))
             t2 = engine.prefill_prefix(2, h2.prefix(70))

@@ -98,14 +98,15 @@ def test_op_budget(path, per_layer_budget, per_request_budget):
 def test_compiled_attention_gives_the_eager_scores(mode):
     """``RelayEngine(compile_attention=True)``: the compiled attention core ranks a batch of cache hits with the
     eager engine's scores (one compile of the batched core per mode: ~1 minute on a CPU)."""
-    from relaygr_engine.bench.overhead import _cached, _engine, _history
+    from relaygr_engine.bench.common import synthetic_history
+    from relaygr_engine.bench.overhead import _cached, _engine
     from relaygr_engine.engine import RankRequest
     from relaygr_engine.models import GRModelConfig, build_ranker
     cfg = GRModelConfig(attention=mode, num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, num_items=10_000,
                         num_actions=4, max_seq_len=64, num_tasks=2)
     model = build_ranker(cfg, seed=3)
     eager, compiled = _engine(model, "cpu"), _engine(model, "cpu", compile_attention=True)
-    reqs = [RankRequest(u, _history(L, u, "cpu"), torch.arange(C)) for u, L, C in ((1, 12, 3), (2, 20, 1))]
+    reqs = [RankRequest(u, synthetic_history(L, 10_000, u), torch.arange(C)) for u, L, C in ((1, 12, 3), (2, 20, 1))]
     for e in (eager, compiled):
         for r in reqs:
             _cached(e, [r.user_id], r.history)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-__all__ = ["environment", "emit_result", "percentile", "exceed_count"]
+__all__ = ["environment", "emit_result", "percentile", "exceed_count", "synthetic_history"]
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -27,6 +27,17 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     return {"device": str(dev), "device_name": name, "torch": torch.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "date": datetime.date.today().isoformat(), "commit": commit}
+
+
+def synthetic_history(L: int, num_items: int, seed: int, device="cpu"):
+    """The benchmarks' random history of ``L`` behaviors: item ids in ``[0, num_items)``, 4 action kinds,
+    timestamps from 1.7e9 s rising by 0-600 s a step (one generator seeded with ``seed``; on ``device``)."""
+    from ..behaviors import Behaviors
+
+    g = torch.Generator().manual_seed(seed)
+    return Behaviors(item_ids=torch.randint(0, num_items, (L,), generator=g),
+                     action_ids=torch.randint(0, 4, (L,), generator=g),
+                     timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000).to(device)
 
 
 def _rank(n: int, q):

@@ -29,7 +29,7 @@ from ..cli_args import ArgumentParser
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
-from .common import emit_result, environment, median_time
+from .common import emit_result, environment, median_time, synthetic_history
 from .serving import cpu_timer
 
 __all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
@@ -66,13 +66,6 @@ def _model(layers: int, device: str, max_len: int = 512):
     return build_ranker(cfg, seed=0, device=device)
 
 
-def _history(L: int, seed: int, device: str) -> Behaviors:
-    g = torch.Generator().manual_seed(seed)
-    return Behaviors(item_ids=torch.randint(0, 10_000, (L,), generator=g).to(device),
-                     action_ids=torch.randint(0, 4, (L,), generator=g).to(device),
-                     timestamps=(torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000).to(device))
-
-
 def _engine(model, device: str, pages: int = 4096, compile_attention: bool = False) -> RelayEngine:
     return RelayEngine(model, CacheConfig(device=device, page_size=16, num_pages=pages, max_pinned_fraction=1.0,
                                           lease_ttl_s=1e9, attention_backend="torch"), extend_on_rank=False,
@@ -87,7 +80,7 @@ def hit_path_ops(layers: int, L: int = 16, C: int = 1, device: str = "cpu") -> d
     """aten ops of one cache-hit ranking and of one no-cache ranking (``rank_uncached``) on a ``layers``-deep model."""
     model = _model(layers, device)
     engine = _engine(model, device)
-    hist, cands = _history(L, 0, device), torch.arange(C, device=device)
+    hist, cands = synthetic_history(L, 10_000, 0, device), torch.arange(C, device=device)
     _cached(engine, [1], hist)
     engine.rank_with_prefix(1, hist, cands)  # warm: first-call caches (fingerprints, lazy imports)
     model.rank_uncached(hist, cands)
@@ -146,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     compiled = _engine(model, str(device), compile_attention=True) if args.compile else None
     rows, result = [], {}
     for L in lengths:
-        hist = _history(L, L, str(device))
+        hist = synthetic_history(L, 10_000, L, device)
         _cached(engine, range(32), hist)
         if compiled is not None:
             _cached(compiled, range(32), hist)

@@ -34,18 +34,11 @@ import torch
 from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS
 from ..config import CacheConfig, resolve_dtype
 from ..engine import RelayEngine
-from ..models import Behaviors, GRModelConfig, build_ranker
-from .common import emit_result, environment, percentile
+from ..models import GRModelConfig, build_ranker
+from .common import emit_result, environment, percentile, synthetic_history
 
 LENGTHS = (256, 1024, 4096)
 CANDIDATES = (64, 256)
-
-
-def _history(L: int, num_items: int, seed: int) -> Behaviors:
-    g = torch.Generator().manual_seed(seed)
-    return Behaviors(item_ids=torch.randint(0, num_items, (L,), generator=g),
-                     action_ids=torch.randint(0, 4, (L,), generator=g),
-                     timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_700_000_000)
 
 
 def _time(fn, device: torch.device):
@@ -109,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     worst = 0.0
     for i, L in enumerate(lengths):
-        hist = _history(L, cfg.num_items, seed=i)
+        hist = synthetic_history(L, cfg.num_items, seed=i)
         prefix = max(1, L - args.new)
         ticket = engine.prefill_prefix(user_id=i, history=hist.prefix(prefix))
         if not ticket.admitted:

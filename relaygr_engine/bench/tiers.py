@@ -20,7 +20,7 @@ import relaygr_engine as rg
 
 from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser
 from ..cli_args import device as device_arg
-from .common import emit_result, environment, median_time
+from .common import emit_result, environment, median_time, synthetic_history
 
 NEW_TOKENS = 16
 
@@ -30,13 +30,6 @@ def _time(fn, device, repeats: int) -> float:
     return median_time(fn, device, repeats) * 1e3
 
 
-def _history(L: int, num_items: int, seed: int) -> rg.Behaviors:
-    g = torch.Generator().manual_seed(seed)
-    return rg.Behaviors(item_ids=torch.randint(0, num_items, (L,), generator=g),
-                        action_ids=torch.randint(0, 4, (L,), generator=g),
-                        timestamps=torch.cumsum(torch.randint(0, 600, (L,), generator=g), 0) + 1_600_000_000)
-
-
 def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, page_size: int,
             repeats: int) -> dict[str, float]:
     """Reload vs recompute numbers for one prefix length (see the module docstring)."""
@@ -44,7 +37,7 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
     cfg = rg.CacheConfig(device=str(device), dtype=dtype, page_size=page_size, num_pages=pages,
                          max_pinned_fraction=1.0, lease_ttl_s=3600.0, dram_bytes=1 << 40)
     engine = rg.RelayEngine(model, cfg, extend_on_rank=False)
-    full = _history(L + NEW_TOKENS, model.config.num_items, seed=L)
+    full = synthetic_history(L + NEW_TOKENS, model.config.num_items, seed=L)
     prefix = full.prefix(L)
     user = 1
 
