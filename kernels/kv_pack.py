@@ -28,7 +28,7 @@ from . import _common as C
 __all__ = ["kv_pack", "kv_unpack", "packed_shape"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_sel", "num_work", "num_programs"])  # per copy (see prefix_attention)
 def _page_copy_kernel(
     cache_ptr,                              # one layer: [num_pages, 2, PAGE_NUMEL]
     buf_ptr,                                # that layer's slice of the buffer: [2, n, PAGE_NUMEL]

@@ -15,7 +15,7 @@ from . import _common as C
 __all__ = ["kv_write"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_work", "num_programs"])  # per batch (see prefix_attention)
 def _kv_write_kernel(
     kv_ptr,                                    # [num_pages, 2, PAGE_SIZE, H, D]
     k_ptr, v_ptr,                              # [n, H, D]

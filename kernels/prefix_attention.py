@@ -47,6 +47,10 @@ __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
+# Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
+# multiple of 16 by default, so each new combination compiles a new binary (about a second, paid by the ranking
+# that meets it: ``relaygr bench slo`` on an H100 saw 2-second P99 stalls); these are passed as plain values.
+_BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
 @triton.jit
 def _time_bucket(dt, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr):
     """``min(bit_length(max(dt, 0)), TS_BITS)`` of an int64 tile, with integer compares and shifts only.
@@ -83,7 +87,7 @@ def _table_bucket(dt, bounds_ptr, num_bounds, TS_ABS: tl.constexpr, TS_STEPS: tl
     return count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_ARGS)
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
     kv_ptr,                                           # [num_pages, 2, PAGE_SIZE, H, D]

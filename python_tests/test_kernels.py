@@ -475,7 +475,7 @@ COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
 from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
-from relaygr_engine.kernels import kv_pack, kv_write
+from relaygr_engine.kernels import kv_pack, kv_write, prefix_attention as p
 
 def check(k, name):
     ttir = k.asm["ttir"]
@@ -496,6 +496,11 @@ check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp3
 for pack in (True, False):
     check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
                          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
+# per-batch integers are not specialised (a new batch shape must not compile a new binary)
+for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q"}),
+                 (kv_write._kv_write_kernel, {"num_tokens", "num_work", "num_programs"}),
+                 (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"})):
+    assert {q.name for q in k.params if q.do_not_specialize} == names, k
 print("compiled")
 """
 
@@ -594,6 +599,24 @@ def test_prefix_attention_split_prefix_bf16_cuda(mode):
     for splits in (None, 3):
         out = prefix_attention(**args, **kw, splits=splits)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_new_batch_shapes_compile_no_new_kernel_binary():
+    """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path)."""
+    from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
+
+    def binaries():
+        return sum(len(c[0]) for c in kernel.device_caches.values())
+
+    for i, users in enumerate([[(4000, 64, 256)], [(3001, 17, 255)], [(4100, 1, 33)], [(2500, 48, 64)]]):
+        args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16, seed=i)
+        kw = attention_kwargs("hstu", bias, 128)
+        prefix_attention(**args, **kw, splits=3)
+        if i == 0:
+            first = binaries()
+    assert binaries() == first
 
 
 @gpu
