@@ -47,7 +47,7 @@ step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import 
 step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
-    --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --json "${OUT_DIR}/rank.json"
+    --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
 step profile 300 $PY benchmarks/profile_rank.py
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256): 16 MiB of KV per 1024 tokens in bf16.

@@ -127,6 +127,39 @@ def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- validation
+EMPTY_TILE_ROW = 1 << 30  # first row of a padding tile: past every segment, so the tile computes and stores nothing
+
+
+def tile_table(seqlens: Sequence[int], block_m: int, num_tiles: Optional[int] = None) -> torch.Tensor:
+    """The prefix-attention tiles of a varlen batch: each tile's user and first row of that user's segment.
+
+    Parameters
+    ----------
+    seqlens : sequence of int
+        Query rows of each user (segment), ``B`` of them.
+    block_m : int
+        Rows per tile.
+    num_tiles : int, optional
+        Pad the table to this many tiles (a CUDA graph's fixed grid); a padding tile belongs to the last user
+        and starts at :data:`EMPTY_TILE_ROW`.
+
+    Returns
+    -------
+    int32 Tensor [2, num_tiles] on the host: ``[tile_user, tile_row]``.
+    """
+    users, rows = [], []
+    for b, n in enumerate(seqlens):
+        for r in range(0, n, block_m):
+            users.append(b)
+            rows.append(r)
+    if num_tiles is not None:
+        assert num_tiles >= len(users) and seqlens, (num_tiles, len(users))
+        pad = num_tiles - len(users)
+        users += [len(seqlens) - 1] * pad
+        rows += [EMPTY_TILE_ROW] * pad
+    return torch.tensor([users, rows], dtype=torch.int32).view(2, -1)
+
+
 def describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"Tensor{list(x.shape)} {x.dtype} on {x.device}"

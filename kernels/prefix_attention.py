@@ -386,12 +386,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, block_m, device) -> Prefi
     indptr = torch.tensor(table.kv_indptr)
     seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
     prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
-    tiles = (seqlens + block_m - 1) // block_m
-    num_tiles = int(tiles.sum())
-    tile_user = torch.repeat_interleave(torch.arange(b), tiles)
-    first = torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
-    tile_row = (torch.arange(num_tiles) - first) * block_m
-    table_dev = ship([torch.stack([tile_user, tile_row]).to(torch.int32)], device)[0]  # never waits for the device
+    table_dev = ship([C.tile_table(seqlens.tolist(), block_m)], device)[0]  # never waits for the device
     max_key_len = int((prefix + seqlens).max()) if b else 0
     return PrefixAttentionPlan(block_m, b, table.cu_seqlens_q[-1], page_size, num_pages, table_dev[0], table_dev[1],
                                max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CacheConfig": ".config",
     "AttentionBackend": ".config",
+    "GraphConfig": ".config",
     "PrefixBlockPool": "._ext",
     "PagedKVCache": ".cache",
     "GRModelConfig": ".models",

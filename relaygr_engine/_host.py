@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["to_device", "ship"]
+__all__ = ["Arena", "to_device", "ship"]
 
 _ALIGN = 16  # bytes: every dtype's alignment
 
@@ -43,17 +43,77 @@ def ship(tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> lis
     """
     if device.type == "cpu":
         return list(tensors)
-    sizes, offsets, total = [], [], 0
-    for t in tensors:
-        n = 0 if t is None else t.numel() * t.element_size()
+    offsets, total = _layout([0 if t is None else t.numel() * t.element_size() for t in tensors])
+    moved = _stage(tensors, offsets, total, device).to(device, non_blocking=device.type == "cuda")
+    return [None if t is None else _view(moved, o, t.dtype, t.shape) for t, o in zip(tensors, offsets)]
+
+
+def _layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of buffers of ``nbytes`` packed at :data:`_ALIGN`, and the total size (at least one unit)."""
+    offsets, total = [], 0
+    for n in nbytes:
         offsets.append(total)
-        sizes.append(n)
         total += -(-n // _ALIGN) * _ALIGN
-    pin = device.type == "cuda"
-    staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
-    for t, o, n in zip(tensors, offsets, sizes):
-        if n:
-            staging[o:o + n].view(t.dtype).view(t.shape).copy_(t)
-    moved = staging.to(device, non_blocking=pin)
-    return [None if t is None else moved[o:o + n].view(t.dtype).view(t.shape)
-            for t, o, n in zip(tensors, offsets, sizes)]
+    return offsets, max(total, _ALIGN)
+
+
+def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + n].view(dtype).view(shape)
+
+
+def _stage(tensors, offsets, total: int, device: torch.device) -> torch.Tensor:
+    """A host buffer (pinned for CUDA, from torch's caching host allocator) holding ``tensors`` at ``offsets``."""
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for t, o in zip(tensors, offsets):
+        if t is not None and t.numel():
+            _view(staging, o, t.dtype, t.shape).copy_(t)
+    return staging
+
+
+class Arena:
+    """Device tensors of fixed dtypes and shapes in one buffer, refilled from the host in one copy.
+
+    The static inputs of a captured CUDA graph: the graph reads the views' addresses, each replay refills their
+    values (:meth:`fill`: one pinned, non-blocking host-to-device copy; no wait for the device).
+
+    Parameters
+    ----------
+    specs : sequence of (dtype, shape)
+    device : torch.device
+    """
+
+    def __init__(self, specs: Sequence[tuple], device: torch.device) -> None:
+        self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
+        sizes = [int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+                 for dtype, shape in self.specs]
+        self.offsets, self.nbytes = _layout(sizes)
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.views = [_view(self.buffer, o, dtype, shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
+
+    def fill(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors[i]`` into view ``i``: the host tensors in one copy, device ones one by one.
+
+        Raises
+        ------
+        ValueError
+            A tensor whose dtype or shape differs from its view's (before anything is copied).
+        """
+        if len(tensors) != len(self.views):
+            raise ValueError(f"tensors must hold {len(self.views)} entries (one per view), got {len(tensors)}")
+        for i, (t, (dtype, shape)) in enumerate(zip(tensors, self.specs)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"tensors[{i}] must be a {dtype} tensor of shape {list(shape)}, got {got}")
+        if self.device.type == "cpu":
+            for view, t in zip(self.views, tensors):
+                view.copy_(t)
+            return
+        host = [t if t.device.type == "cpu" else None for t in tensors]
+        if any(t is not None for t in host):  # device entries' bytes are rewritten below, on the same stream
+            self.buffer.copy_(_stage(host, self.offsets, self.nbytes, self.device),
+                              non_blocking=self.device.type == "cuda")
+        for view, t in zip(self.views, tensors):
+            if t.device.type != "cpu":
+                view.copy_(t)

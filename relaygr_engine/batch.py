@@ -272,7 +272,7 @@ class RelayBatch:
     def num_users(self) -> int:
         return len(self.rows)
 
-    @property
+    @cached_property
     def num_candidate_rows(self) -> int:
         return sum(self.candidates_per_user)
 

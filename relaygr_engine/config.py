@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
 
 
 def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
@@ -194,6 +194,23 @@ class CacheConfig:
     def max_pinned_pages(self, num_pages: int) -> int:
         """Pinned-page budget for a pool of ``num_pages`` pages (at least 1)."""
         return max(1, int(num_pages * self.max_pinned_fraction))
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs for the ranking forward (``RelayEngine(cuda_graphs=GraphConfig(...))``; see
+    :mod:`relaygr_engine.engine.graphs`).
+
+    Parameters
+    ----------
+    max_graphs : int
+        Captured shape buckets kept (default 64); a new bucket past it replaces the least recently used one.
+    """
+
+    max_graphs: int = 64
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_graphs", _positive_int("max_graphs", self.max_graphs))
 
 
 def _positive_int(name: str, value) -> int:

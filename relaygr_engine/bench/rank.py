@@ -10,7 +10,9 @@ interleaved runs after a warm-up):
 * ``cached``: ``engine.rank_with_prefix`` where the first ``L - new`` tokens were pre-inferred (``prefill_prefix``,
   not timed) and only the last ``new`` tokens (default 16) plus the candidates are computed.
 
-Scores of all three are checked to agree.
+Scores of all three are checked to agree. With ``--cuda-graphs`` a second engine serves ``recompute`` and
+``cached`` again through CUDA graphs (:mod:`relaygr_engine.engine.graphs`), timed in the same runs, after the
+warm-up captured them: ``graph_gain`` is eager cached over graph cached.
 
 Model: HSTU (or ``--attention softmax``), ``--layers`` layers (default 2) of ``--heads`` heads x ``--head-dim``
 (default 2 x 32, hidden = heads x head dim), ``--dtype`` (default float32; the KV pages use the same dtype).
@@ -72,7 +74,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--heads", type=POSITIVE_INT, default=2, help="attention heads (default 2)")
     ap.add_argument("--head-dim", type=POSITIVE_INT, default=32, help="head dimension (default 32)")
     ap.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per KV page (default 16)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also time recompute and cached through CUDA graphs (a CUDA device, the Triton backend)")
     args = ap.parse_args(argv)
+    if args.cuda_graphs and (args.device == "cpu" or args.backend == "torch"):
+        ap.error("--cuda-graphs needs --device cuda and the Triton backend (--backend auto or triton)")
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths, cands = ((256, 1024), (64,)) if args.quick else (LENGTHS, CANDIDATES)
@@ -88,9 +94,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         num_tasks=2)
     model = build_ranker(cfg, seed=0, device=device, dtype=dtype)
     pages = sum(-(-L // ps) for L in lengths) + 16
-    engine = RelayEngine(model, CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype,
-                                            max_pinned_fraction=1.0, lease_ttl_s=3600.0,
-                                            attention_backend=args.backend), extend_on_rank=False)
+    cache = CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype, max_pinned_fraction=1.0,
+                        lease_ttl_s=3600.0, attention_backend=args.backend)
+    engine = RelayEngine(model, cache, extend_on_rank=False)
+    graphed = RelayEngine(model, cache, extend_on_rank=False, cuda_graphs=True) if args.cuda_graphs else None
     env = environment(str(device))
     print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden {hidden}, {args.heads} heads x "
           f"{args.head_dim}, {args.dtype}, page {ps}, "
@@ -107,9 +114,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         ticket = engine.prefill_prefix(user_id=i, history=hist.prefix(prefix))
         if not ticket.admitted:
             raise RuntimeError(f"prefill of {prefix} tokens was not admitted: {ticket.reason}")
+        if graphed is not None:
+            graphed.prefill_prefix(user_id=i, history=hist.prefix(prefix))
         for C in cands:
             c = torch.randint(0, cfg.num_items, (C,), generator=torch.Generator().manual_seed(C))  # on the host
-            full_ms, recompute_ms, cached_ms = [], [], []
+            full_ms, recompute_ms, cached_ms, graph_re_ms, graph_ms = [], [], [], [], []
             for r in range(repeats + 1):  # run 0 warms up
                 t_full, full = _time(lambda: model.rank_full(hist, c), device)
                 t_re, miss = _time(lambda: engine.rank_with_prefix(user_id=1000 + i, history=hist, candidates=c),
@@ -118,12 +127,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if res.source != "hbm" or res.cached_tokens != prefix or miss.source != "recompute":
                     raise RuntimeError(f"expected a hit of {prefix} tokens and a miss, got {res.source} "
                                        f"{res.cached_tokens} and {miss.source}")
+                if graphed is not None:
+                    t_gre, gmiss = _time(lambda: graphed.rank_with_prefix(user_id=1000 + i, history=hist,
+                                                                          candidates=c), device)
+                    t_g, gres = _time(lambda: graphed.rank_with_prefix(user_id=i, history=hist, candidates=c), device)
+                    if gres.source != "hbm" or gmiss.source != "recompute":
+                        raise RuntimeError(f"graphs: expected a hit and a miss, got {gres.source} and {gmiss.source}")
                 if r:
                     full_ms.append(t_full)
                     recompute_ms.append(t_re)
                     cached_ms.append(t_cached)
-            diff = max(float((res.scores.float() - full.float()).abs().max()),
-                       float((miss.scores.float() - full.float()).abs().max()))
+                    if graphed is not None:
+                        graph_re_ms.append(t_gre)
+                        graph_ms.append(t_g)
+            outs = [res, miss] + ([gres, gmiss] if graphed is not None else [])
+            diff = max(float((o.scores.float() - full.float()).abs().max()) for o in outs)
             worst = max(worst, diff)
             f, rc, k = (percentile(x, 50) for x in (full_ms, recompute_ms, cached_ms))
             rows.append(dict(L=L, C=C, cached_tokens=prefix, full_ms=f, recompute_ms=rc, cached_ms=k,
@@ -135,6 +153,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             result[f"full_ms_L{L}_C{C}"] = round(f, 2)
             result[f"recompute_ms_L{L}_C{C}"] = round(rc, 2)
             result[f"cached_ms_L{L}_C{C}"] = round(k, 2)
+            if graphed is not None:
+                g, gr = percentile(graph_ms, 50), percentile(graph_re_ms, 50)
+                rows[-1].update(graph_cached_ms=g, graph_recompute_ms=gr)
+                print(f"{'':>6} {'':>5} {'graphs':>7} {'':>10} {gr:>10.2f} {g:>10.2f} {f / g:>7.1f}x {gr / g:>8.1f}x "
+                      f"{'':>10} (cached eager / graphs {k / g:.2f}x)")
+                result[f"graph_cached_ms_L{L}_C{C}"] = round(g, 2)
+                result[f"graph_recompute_ms_L{L}_C{C}"] = round(gr, 2)
+                result[f"graph_speedup_L{L}_C{C}"] = round(f / g, 2)
+                result[f"graph_speedup_vs_recompute_L{L}_C{C}"] = round(gr / g, 2)
+                result[f"graph_gain_L{L}_C{C}"] = round(k / g, 2)
     result.update(max_abs_diff=worst, attention=args.attention, layers=args.layers, heads=args.heads,
                   head_dim=args.head_dim, dtype=args.dtype, device=str(device), threads=env["threads"])
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..batch import check_request
 from ..behaviors import Behaviors
-from ..config import CacheConfig
+from ..config import AttentionBackend, CacheConfig, GraphConfig
 from ..context import find_layers
 from ..identity import WeightsIdentity
+from ..ops import _resolve_backend
 from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
 from .forward import ForwardRunner
@@ -92,11 +93,18 @@ class RelayEngine:
         :func:`relaygr_engine.torch_plan.compiled_core`). Default False. The first calls of each kind (dtype,
         mode, single or batched) compile, about a minute on a CPU; ``relaygr bench overhead --compile`` measures
         what it gains on a machine.
+    cuda_graphs : bool or GraphConfig
+        Serve ranking forwards through CUDA graphs over padded shape buckets (:mod:`relaygr_engine.engine.graphs`):
+        each bucket's first ranking runs eagerly and is captured, later ones replay it in one launch. True means
+        ``GraphConfig()``. Needs a CUDA cache with the Triton backend. Default False. ``stats()`` counts
+        ``graph_replays``, ``graph_captures``, ``graph_evictions``, and ``graph_eager``/``graph_failures``
+        (forwards served eagerly after a model could not be captured; the reason is logged once).
     """
 
     def __init__(self, model: nn.Module, cache_config: Optional[CacheConfig] = None, trigger=None, *,
                  extend_on_rank: bool = True, store_misses: bool = False,
-                 model_version: Optional[str] = None, compile_attention: bool = False) -> None:
+                 model_version: Optional[str] = None, compile_attention: bool = False,
+                 cuda_graphs: Union[bool, GraphConfig] = False) -> None:
         layers = find_layers(model)
         if not layers:
             raise ValueError(f"model must hold at least one relaygr_engine.PrefixAttention layer (where its "
@@ -112,6 +120,7 @@ class RelayEngine:
                              f"{type(trigger).__name__}")
         if not isinstance(compile_attention, bool):
             raise ValueError(f"compile_attention must be a bool, got {compile_attention!r}")
+        graphs = _graph_config(cuda_graphs, cache_config)
         if model_version is not None and not (isinstance(model_version, str) and model_version):
             raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
         _check_prefix_stable(model, layers)
@@ -130,7 +139,7 @@ class RelayEngine:
         self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
         self.prefill = PrefillPlanner(self.state, self.index, trigger)
         self.ranking = RankPlanner(self.state, self.index)
-        self.runner = ForwardRunner(model, layers, self.state, compile_attention=compile_attention)
+        self.runner = ForwardRunner(model, layers, self.state, compile_attention=compile_attention, graphs=graphs)
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -424,3 +433,18 @@ class RelayEngine:
             if ticket.user_id != u:
                 raise ValueError(f"ticket is for user_id={ticket.user_id}, but the request is for user_id={u}")
         return Prepared(u, history, candidates, t_req, history.token_keys(), ticket)
+
+
+def _graph_config(cuda_graphs, cache_config: CacheConfig) -> Optional[GraphConfig]:
+    """The engine's ``cuda_graphs`` argument as a config (None: off); ValueError where graphs cannot run."""
+    if cuda_graphs is False or cuda_graphs is None:
+        return None
+    if cuda_graphs is True:
+        cuda_graphs = GraphConfig()
+    if not isinstance(cuda_graphs, GraphConfig):
+        raise ValueError(f"cuda_graphs must be a bool or a GraphConfig, got {type(cuda_graphs).__name__}")
+    dev = torch.device(cache_config.device)
+    if dev.type != "cuda" or _resolve_backend(cache_config.attention_backend, dev) is not AttentionBackend.TRITON:
+        raise ValueError(f"cuda_graphs needs a CUDA cache with the Triton attention backend, got device "
+                         f"{cache_config.device!r} with attention_backend={cache_config.attention_backend.value!r}")
+    return cuda_graphs

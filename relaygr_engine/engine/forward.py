@@ -9,10 +9,11 @@ from torch import nn
 
 from .._host import ship, to_device
 from ..batch import RelayBatch
-from ..config import AttentionBackend
+from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
 from ..torch_plan import build_torch_plan
 from ..ops import _resolve_backend, plan_paged_attention
+from .graphs import GraphRunner
 from .records import Job
 from .timing import LazyTimer
 from .tiers import CacheState
@@ -32,13 +33,16 @@ class ForwardRunner:
     state : CacheState
     compile_attention : bool
         Run the torch backend's planned attention compiled (``PagedState.compiled``).
+    graphs : GraphConfig, optional
+        Serve ranking forwards through CUDA graphs (:mod:`relaygr_engine.engine.graphs`).
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState, *,
-                 compile_attention: bool = False) -> None:
+                 compile_attention: bool = False, graphs: Optional[GraphConfig] = None) -> None:
         self.model, self.layers, self.state = model, list(layers), state
         self.compile_attention = compile_attention
         self.timer = LazyTimer(state.cache.device)
+        self.graphs = None if graphs is None else GraphRunner(model, layers, state, graphs)
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
@@ -73,8 +77,16 @@ class ForwardRunner:
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
-        batch = RelayBatch.from_requests([(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs],
-                                         device=dev)
+        parts = [(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs]
+        if self.graphs is not None and all(j.candidates is not None for j in jobs):
+            host = all(j.prep.history.device.type == "cpu" and j.candidates.device.type == "cpu" for j in jobs)
+            batch = RelayBatch.from_requests(parts, device=torch.device("cpu") if host else dev)
+            out = self.graphs.run(jobs, batch)
+            if out is not None:
+                return out
+            batch = batch if batch.device == dev else batch._moved(dev)
+        else:
+            batch = RelayBatch.from_requests(parts, device=dev)
         indptr, last, indices = [0], [], []
         w_rows, w_pages, w_slots = [], [], []
         r0 = 0

@@ -131,6 +131,11 @@ class EngineCounters:
     prefill_copied_tokens: int = 0
     prefill_dram_reloads: int = 0
     stored_on_rank: int = 0
+    graph_replays: int = 0
+    graph_captures: int = 0
+    graph_eager: int = 0
+    graph_evictions: int = 0
+    graph_failures: int = 0
     exports: int = 0
     export_bytes: int = 0
     imports: int = 0

@@ -1,0 +1,156 @@
+"""CUDA graphs for the ranking forward: buckets, padding and static buffers (on the CPU, replayed eagerly through
+Triton's interpreter), capture and replay on a GPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import relaygr_engine as rg  # noqa: E402
+from relaygr_engine._host import Arena  # noqa: E402
+from relaygr_engine.engine.graphs import GraphRunner, bucket  # noqa: E402
+
+from test_engine import ATOL, assert_exact, candidates, history, make_engine, make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def test_bucket_pads_at_most_a_quarter_to_multiples_of_16():
+    assert [bucket(n) for n in (0, 1, 16, 17, 64, 65, 100, 128, 129, 384, 385, 1000)] == \
+        [0, 16, 16, 32, 64, 80, 112, 128, 160, 384, 448, 1024]
+    for n in range(1, 3000):
+        b = bucket(n)
+        assert b >= n and b % 16 == 0 and (b - n <= max(15, n // 4)) and bucket(b) == b
+    assert bucket(100, steps=1) == 128 and bucket(129, steps=1) == 256
+
+
+def test_arena_fills_host_tensors_in_one_buffer_and_checks_them():
+    a = Arena([(torch.int32, (3,)), (torch.bool, (5,)), (torch.long, (2, 2))], torch.device("cpu"))
+    a.fill([torch.arange(3, dtype=torch.int32), torch.ones(5, dtype=torch.bool), torch.arange(4).view(2, 2)])
+    assert a.views[0].tolist() == [0, 1, 2] and a.views[1].all() and a.views[2].tolist() == [[0, 1], [2, 3]]
+    assert all(v.untyped_storage().data_ptr() == a.buffer.untyped_storage().data_ptr() for v in a.views)
+    with pytest.raises(ValueError, match=r"tensors\[2\] must be a torch.int64 tensor of shape \[2, 2\], got "):
+        a.fill([torch.zeros(3, dtype=torch.int32), torch.ones(5, dtype=torch.bool), torch.zeros(4)])
+    assert a.views[0].tolist() == [0, 1, 2]  # nothing copied
+    with pytest.raises(ValueError, match="must hold 3 entries"):
+        a.fill([])
+
+
+def test_cuda_graphs_argument_is_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA cache with the Triton attention backend, got "
+                                         "device 'cpu'"):
+        make_engine(model, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool or a GraphConfig, got int"):
+        make_engine(model, cuda_graphs=1)
+    with pytest.raises(ValueError, match="max_graphs must be"):
+        rg.GraphConfig(max_graphs=0)
+
+
+def _interpreted_engine(model, **kw):
+    """A CPU engine on the Triton kernel whose ranking forwards go through the graph runner, replayed eagerly."""
+    from relaygr_engine.kernels import _common
+    if not _common.interpreter_active():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
+    engine = make_engine(model, cache=dict(attention_backend="triton"), **kw)
+    engine.runner.graphs = GraphRunner(engine.model, engine.layers, engine.state, rg.GraphConfig(max_graphs=2),
+                                       capture=False)
+    return engine
+
+
+@needs_triton
+@pytest.mark.parametrize("attention", ["hstu", "softmax"])
+def test_padded_static_forward_equals_full_inference(attention):
+    """Hits, misses, stored misses and extensions, one user or three (empty user slots), with and without
+    timestamps: every score of the padded forward equals full inference, and the K/V and timestamps it stores
+    serve the next ranking exactly."""
+    model = make_model(attention)
+    engine = _interpreted_engine(model, store_misses=True)
+    h1, h2, h3 = history(45, seed=1), history(30, seed=2), history(21, seed=3, timestamps=False)
+    c1, c2, c3 = candidates(7, seed=4), candidates(3, seed=5), candidates(5, seed=6)
+    t1 = engine.prefill_prefix(1, h1.prefix(20))
+    hit = engine.rank_with_prefix(1, h1.prefix(33), c1, ticket=t1)        # hit, extends the entry to 33
+    assert hit.source == "hbm" and hit.cached_tokens == 20
+    assert_exact(hit, model, h1.prefix(33), c1)
+    batch = engine.rank_with_prefix_batch([rg.RankRequest(1, h1, c1), rg.RankRequest(2, h2, c2),
+                                           rg.RankRequest(3, h3, c3)])    # hit on the extension; stored misses
+    assert [r.source for r in batch] == ["hbm", "recompute", "recompute"] and batch[0].cached_tokens == 33
+    for r, h, c in zip(batch, (h1, h2, h3), (c1, c2, c3)):
+        assert_exact(r, model, h, c)
+    again = engine.rank_with_prefix_batch([rg.RankRequest(2, h2, c2), rg.RankRequest(3, h3, c3)])
+    assert [r.cached_tokens for r in again] == [30, 21]                   # what the padded forward stored
+    for r, h, c in zip(again, (h2, h3), (c2, c3)):
+        assert_exact(r, model, h, c)
+    s = engine.stats()
+    assert s["graph_replays"] == 0 and s["graph_failures"] == 0 and len(engine.runner.graphs.buckets) <= 2
+    assert s["graph_evictions"] >= 1                                     # more than two buckets were used
+
+
+class _ReadsHostLayout(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, batch):
+        assert len(batch.rows) >= 1
+        return self.inner(batch)
+
+
+@needs_triton
+def test_a_model_reading_the_host_layout_is_served_eagerly_and_exactly(caplog):
+    inner = make_model()
+    engine = _interpreted_engine(_ReadsHostLayout(inner))
+    h, c = history(40, seed=7), candidates(6)
+    t = engine.prefill_prefix(1, h.prefix(25))
+    with caplog.at_level("WARNING", logger="relaygr_engine"):
+        first = engine.rank_with_prefix(1, h, c, ticket=t)
+        second = engine.rank_with_prefix(1, h, c)
+    assert_exact(first, inner, h, c)
+    assert_exact(second, inner, h, c)
+    s = engine.stats()
+    assert s["graph_failures"] == 1 and s["graph_eager"] == 1
+    assert sum("reads the batch's host layout" in r.message for r in caplog.records) == 1
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("attention", ["hstu", "softmax"])
+def test_cuda_graph_replays_are_exact_and_never_wait_for_the_device(attention):
+    """fp32 on CUDA: the first ranking of a bucket is captured, later ones of other lengths in the same bucket replay
+    it, exactly, with no device-to-host synchronisation; a second bucket is captured beside it."""
+    from relaygr_engine.testing import forbid_device_sync
+
+    model = rg.build_ranker(make_model(attention).config, seed=0, device="cuda")
+    engine = make_engine(model, cache=dict(device="cuda", attention_backend="triton"), cuda_graphs=True)
+    h = history(120, seed=5)
+    c = candidates(37)
+    tickets = {L: engine.prefill_prefix(L, h.prefix(L - 9)) for L in (100, 110, 120)}
+    first = engine.rank_with_prefix(100, h.prefix(100), c, ticket=tickets[100])
+    assert engine.stats()["graph_captures"] == 1
+    torch.cuda.synchronize()
+    with forbid_device_sync():
+        later = [engine.rank_with_prefix(L, h.prefix(L), c, ticket=tickets[L]) for L in (110, 120)]
+    assert engine.stats()["graph_replays"] == 2 and engine.stats()["graph_captures"] == 1
+    for r, L in zip([first, *later], (100, 110, 120)):
+        assert r.source == "hbm"
+        assert_exact(r, model, h.prefix(L), c)
+    two = engine.rank_with_prefix_batch([rg.RankRequest(110, h.prefix(110), c), rg.RankRequest(7, h, c[:4])])
+    assert engine.stats()["graph_captures"] == 2
+    assert_exact(two[0], model, h.prefix(110), c)
+    assert_exact(two[1], model, h, c[:4])
+    scores = first.scores.clone()
+    engine.rank_with_prefix(110, h.prefix(110), c)                      # a replay does not touch earlier results
+    assert torch.equal(first.scores, scores)
+    assert float((later[0].scores - model.rank_full(h.prefix(110), c)).abs().max()) <= ATOL

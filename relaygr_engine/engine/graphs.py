@@ -1,0 +1,308 @@
+"""CUDA graphs for the ranking forward: each padded shape bucket is captured once, then replayed.
+
+A ranking's GPU work is a few milliseconds, but queueing it from Python (about a hundred launches per forward:
+the user's model ops, a KV write and an attention kernel per layer) costs as much or more. A CUDA graph replays
+the whole forward in one launch. A graph has fixed shapes and addresses, so the rows of a batch are padded up to a
+shape bucket (:class:`GraphKey`) and every input is copied into the bucket's static buffers (one
+:class:`~relaygr_engine._host.Arena`, refilled in one host-to-device copy per replay), as NVIDIA's HSTU inference
+does with its padded batch buckets.
+
+Padding. After the batch's ``B`` users come empty users up to ``U`` (a power of two), then one padding user holding
+the extra rows: ``H_pad - H`` history rows and ``C_pad - C`` candidates, with no cached prefix, each a copy of the
+batch's last row (so every id stays one the model accepts). Padding rows attend only to themselves and the padding
+user's rows; their K/V are not stored; their scores are dropped. The attention kernel runs a fixed tile table (the
+bucket's most tiles, the spare ones empty) and splits the cached prefix as for the bucket's longest prefix.
+
+What a captured model may do. It runs on the batch's tensors (``item_ids``, ``positions``, ...,
+``candidate_rows``, ``num_candidate_rows``): the host layout (``rows``, ``start``, ``candidates_per_user``) changes
+between the batches a graph replays, so reading it raises, and the engine then serves every forward eagerly
+(logged once). A forward that synchronises with the host or copies host memory cannot be captured either; the
+same fallback applies. The first batch of each bucket runs eagerly over the static buffers (its result is
+served), then the bucket is captured.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._host import Arena
+from ..batch import RelayBatch
+from ..config import AttentionBackend, GraphConfig
+from ..context import PagedState, paged_context
+from ..kernels._common import cdiv, tile_table
+from .records import Job
+from .tiers import CacheState
+
+__all__ = ["GraphKey", "GraphRunner", "HostLayoutRead", "bucket"]
+
+_log = logging.getLogger("relaygr_engine")
+_MIN_ROWS = 16
+
+
+def bucket(n: int, steps: int = 4) -> int:
+    """``n`` rounded up to one of ``steps`` sizes per power of two, a multiple of 16 (0 stays 0).
+
+    With 4 steps a bucket pads at most 25% (and at most 15 rows below 64); with 1, to a power of two.
+    """
+    if n <= 0:
+        return 0
+    if n <= _MIN_ROWS:
+        return _MIN_ROWS
+    top = 1 << (n - 1).bit_length()                    # the power of two at or above n
+    step = max(_MIN_ROWS, top // (2 * steps))
+    return cdiv(n, step) * step
+
+
+class GraphKey(NamedTuple):
+    """A shape bucket: everything a captured forward's shapes and launches depend on."""
+
+    timed: bool           # rows carry timestamps
+    acted: bool           # rows carry action ids
+    writes: bool          # some rows' K/V are stored
+    users: int            # U: user slots (a power of two), plus one padding user
+    history_rows: int     # H_pad: new history rows
+    candidates: int       # C_pad: candidate rows
+    prefix: int           # longest cached prefix (a power of two): the split-prefix schedule's length
+
+
+class HostLayoutRead(RuntimeError):
+    """A captured forward read the batch's host layout (``rows``, ``start``, ``candidates_per_user``)."""
+
+
+class _HostLayout(tuple):
+    """Stands in for the host layout of a batch a graph replays: reading it raises :class:`HostLayoutRead`."""
+
+    def _refuse(self, *args, **kwargs):
+        raise HostLayoutRead("a CUDA-graph ranking forward read the batch's host layout (rows, start or "
+                             "candidates_per_user), which changes between the batches one graph replays; use the "
+                             "batch's tensors (cu_seqlens, num_candidates, candidate_rows) or turn cuda_graphs off")
+
+    __iter__ = __getitem__ = __len__ = __contains__ = _refuse
+
+
+_HIDDEN = _HostLayout()
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+_ROW_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context")
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """The static buffers of one key, and its graph once captured."""
+
+    key: GraphKey
+    arena: Arena
+    names: list
+    block_m: int
+    num_tiles: int
+    graph: Optional[object] = None
+    out: Optional[torch.Tensor] = None
+
+    def view(self, name: str) -> Optional[torch.Tensor]:
+        return self.arena.views[self.names.index(name)] if name in self.names else None
+
+
+class GraphRunner:
+    """Serves ranking forwards through captured CUDA graphs (:class:`~relaygr_engine.engine.forward.ForwardRunner`
+    asks it first).
+
+    Parameters
+    ----------
+    model : nn.Module
+    layers : sequence of PrefixAttention
+    state : CacheState
+    config : GraphConfig
+    capture : bool
+        Capture graphs (default). False (tests on a CPU): every forward runs eagerly over the static buffers, which
+        checks the padding and the buffers without a GPU.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState, config: GraphConfig, *,
+                 capture: bool = True) -> None:
+        self.model, self.layers, self.state, self.config = model, list(layers), state, config
+        self.capture = capture
+        self.buckets: collections.OrderedDict = collections.OrderedDict()
+        self.disabled: Optional[str] = None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    # ------------------------------------------------------------------------------------------ entry
+    def run(self, jobs: list[Job], batch: RelayBatch) -> Optional[list]:
+        """Each job's scores ``[C, num_tasks]`` from a graph replay (or the bucket's first, eager, forward); None
+        where this forward is not served here (graphs turned off after a failure, or a job without candidates):
+        the caller runs it eagerly. ``batch`` is the jobs' unpadded batch (on the host or the device)."""
+        c = self.state.counters
+        if self.disabled is not None or any(j.candidates is None for j in jobs):
+            c.graph_eager += 1
+            return None
+        key = self.key(jobs, batch)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self._new_bucket(key)
+        self.buckets.move_to_end(key)
+        b.arena.fill(self._inputs(b, jobs, batch))
+        C = batch.num_candidate_rows
+        if b.graph is not None:
+            b.graph.replay()
+            scores = b.out[:C].clone()
+            c.graph_replays += 1
+        else:
+            try:
+                scores = self._forward(b, *self._static(b))[:C]
+            except HostLayoutRead as exc:
+                self._disable(f"the model reads the batch's host layout ({exc})")
+                return None
+            if self.capture:
+                self._capture(b)
+        out, c0 = [], 0
+        for C_b in batch.candidates_per_user:
+            out.append(scores[c0:c0 + C_b])
+            c0 += C_b
+        return out
+
+    def key(self, jobs: list[Job], batch: RelayBatch) -> GraphKey:
+        """The bucket of a batch of ranking jobs."""
+        C = batch.num_candidate_rows
+        H = len(batch) - C
+        longest = max(j.start for j in jobs)
+        return GraphKey(batch.timestamps is not None, batch.action_ids is not None,
+                        any(j.write_pages is not None and j.prep.num_tokens > j.start for j in jobs),
+                        1 << (len(jobs) - 1).bit_length(), bucket(H), bucket(C),
+                        0 if longest == 0 else 1 << (longest - 1).bit_length())
+
+    # ------------------------------------------------------------------------------------------ buckets
+    def _new_bucket(self, key: GraphKey) -> _Bucket:
+        from ..kernels.prefix_attention import pick_config
+
+        while len(self.buckets) >= self.config.max_graphs:
+            self.buckets.popitem(last=False)
+            self.state.counters.graph_evictions += 1
+        cache = self.state.cache
+        R, S = key.history_rows + key.candidates, key.users + 1
+        block_m = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1]).block_m
+        num_tiles = R // block_m + S                       # sum over segments of ceil(rows / block_m), at most
+        pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
+        i32, i64 = torch.int32, torch.long
+        specs = {"item_ids": (i64, (R,)), "positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)),
+                 "is_context": (torch.bool, (R,)), "cu_seqlens": (i32, (S + 1,)), "num_candidates": (i32, (S,)),
+                 "kv_indptr": (i32, (S + 1,)), "kv_indices": (i32, (pages,)), "kv_last": (i32, (S,)),
+                 "tiles": (i32, (2, num_tiles)), "slots": (i64, (R,)), "candidate_rows": (i64, (key.candidates,))}
+        if key.acted:
+            specs["action_ids"] = (i64, (R,))
+        if key.timed:
+            specs["timestamps"] = (i64, (R,))
+        if key.timed and key.writes:
+            specs.update(ts_rows=(i64, (R,)), ts_flat=(i64, (R,)))
+        names = list(specs)
+        b = _Bucket(key, Arena([specs[n] for n in names], cache.device), names, block_m, num_tiles)
+        self.buckets[key] = b
+        return b
+
+    def _inputs(self, b: _Bucket, jobs: list[Job], batch: RelayBatch) -> list[torch.Tensor]:
+        """The values of ``b``'s buffers for ``batch``, in their order (host tables and the padded rows)."""
+        key, ps = b.key, self.state.page_size
+        C, R = batch.num_candidate_rows, len(batch)
+        R_pad = key.history_rows + key.candidates
+        pad_hist, pad_cand = key.history_rows - (R - C), key.candidates - C
+        empty = key.users - len(jobs)
+        seg_rows = list(batch.rows) + [0] * empty + [pad_hist + pad_cand]
+        seg_cand = list(batch.candidates_per_user) + [0] * empty + [pad_cand]
+        indptr, indices, last = [0], [], []
+        slots = np.full(R_pad, -1, dtype=np.int64)
+        cand_rows, r0 = [], 0
+        for j, rows, C_b in zip(jobs, batch.rows, batch.candidates_per_user):
+            n_pages = cdiv(j.start, ps)
+            indices.append(np.asarray(j.pages[:n_pages] if n_pages else (), dtype=np.int32))
+            indptr.append(indptr[-1] + n_pages)
+            last.append(j.start - (n_pages - 1) * ps if n_pages else 0)
+            n = j.prep.num_tokens - j.start
+            if j.write_pages is not None and n:
+                tok = np.arange(j.start, j.prep.num_tokens)
+                slots[r0:r0 + n] = np.asarray(j.write_pages, dtype=np.int64)[tok // ps] * ps + tok % ps
+            cand_rows.extend(range(r0 + rows - C_b, r0 + rows))
+            r0 += rows
+        indptr += [indptr[-1]] * (empty + 1)
+        last += [0] * (empty + 1)
+        cand_rows.extend(range(R + pad_hist, R_pad))
+        pages = b.view("kv_indices").numel()
+        flat = np.concatenate([*indices, np.zeros(pages - indptr[-1], dtype=np.int32)])
+        host = {"cu_seqlens": np.cumsum([0, *seg_rows]), "num_candidates": seg_cand, "kv_indptr": indptr,
+                "kv_indices": flat, "kv_last": last, "slots": slots, "candidate_rows": cand_rows}
+        values = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=_NUMPY[b.view(n).dtype])) for n, a in host.items()}
+        values["tiles"] = tile_table(seg_rows, b.block_m, b.num_tiles)
+        if "ts_rows" in b.names:
+            written = np.flatnonzero(slots >= 0)
+            fill = np.resize(written, R_pad)                # repeats of real writes: the same values again
+            values["ts_rows"], values["ts_flat"] = torch.from_numpy(fill), torch.from_numpy(slots[fill])
+        pad = R_pad - R
+        for name in _ROW_FIELDS:
+            t = getattr(batch, name)
+            if t is None:
+                continue
+            if name == "is_candidate":
+                extra = t.new_zeros(pad)
+                extra[pad_hist:] = True
+            elif name == "is_context":
+                extra = t.new_zeros(pad)
+            else:
+                extra = t[-1:].expand(pad)
+            values[name] = torch.cat([t, extra]) if pad else t
+        return [values[n] for n in b.names]
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _static(self, b: _Bucket) -> tuple[RelayBatch, PagedState]:
+        """A batch and paged state over ``b``'s buffers: new objects, so nothing computed from one batch's values
+        (a cached property) is kept in a graph."""
+        v, cache, key = b.view, self.state.cache, b.key
+        batch = RelayBatch(item_ids=v("item_ids"), action_ids=v("action_ids"), timestamps=v("timestamps"),
+                           positions=v("positions"), is_candidate=v("is_candidate"), is_context=v("is_context"),
+                           cu_seqlens=v("cu_seqlens"), num_candidates=v("num_candidates"), start=_HIDDEN,
+                           rows=_HIDDEN, candidates_per_user=_HIDDEN)
+        batch.__dict__["candidate_rows"] = v("candidate_rows")
+        batch.__dict__["num_candidate_rows"] = key.candidates
+        from ..kernels.prefix_attention import PrefixAttentionPlan
+
+        R, S = len(batch), key.users + 1
+        plan = PrefixAttentionPlan(b.block_m, S, R, self.state.page_size, cache.kv[0].shape[0], v("tiles")[0],
+                                   v("tiles")[1], key.prefix + R, key.prefix, key.prefix)
+        paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
+                           cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
+                           plan=plan)
+        if key.writes:
+            paged.write_rows = paged._slot_mapping = v("slots")  # the Triton write reads the slot of every row
+        return batch, paged
+
+    def _forward(self, b: _Bucket, batch: RelayBatch, paged: PagedState) -> torch.Tensor:
+        with paged_context(batch, paged, self.layers):
+            scores = self.model(batch)
+        C = b.key.candidates
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[0] != C:
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ValueError(f"model(batch) must return the candidate rows' scores [{C}, num_tasks] "
+                             f"(batch.num_candidate_rows = {C}), got {got}")
+        if "ts_rows" in b.names:
+            self.state.cache.timestamps.view(-1).index_copy_(0, b.view("ts_flat"),
+                                                             batch.timestamps[b.view("ts_rows")])
+        return scores
+
+    def _capture(self, b: _Bucket) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(b, *self._static(b))
+        except Exception as exc:  # noqa: BLE001 - any capture failure: serve eagerly from now on
+            self.buckets.pop(b.key, None)
+            self._disable(f"capture failed: {type(exc).__name__}: {exc}")
+            return
+        b.graph, b.out = graph, out
+        self.state.counters.graph_captures += 1
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        self.buckets.clear()
+        self.state.counters.graph_failures += 1
+        _log.warning("cuda_graphs: serving ranking forwards eagerly: %s", reason)
