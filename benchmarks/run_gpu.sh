@@ -5,7 +5,7 @@
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
-# Steps: env tests-gpu sync rank rank-small tiers slo tests-cuda kernels kernels-persistent ptxas (all by default;
+# Steps: env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
 # inference shape (8 layers, 4 heads x 256, bf16, 4096 tokens of which 3968 cached, 256 candidates).
@@ -30,7 +30,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu sync rank rank-small profile tiers slo tests-cuda kernels kernels-persistent ptxas}
+STEPS=${STEPS:-env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas}
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
     local name=$1 limit=$2
@@ -54,6 +54,8 @@ step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "$
 step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --layers 8 --heads 4 --head-dim 256 --page-size 64 \
     --lengths 1024,4096,8192 --json "${OUT_DIR}/tiers.json"
 step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --no-plots --out "${OUT_DIR}/slo"
+step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --cuda-graphs --quick --no-plots \
+    --out "${OUT_DIR}/slo-graphs"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")

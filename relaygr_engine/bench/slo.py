@@ -167,6 +167,9 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                         "perf_counter; 'auto' = cpu where valid, else wall")
     g.add_argument("--device", type=device, default="cpu", help="torch device of the model and cache")
     g.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch intra-op threads (one worker)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="serve every mode's ranking forwards through CUDA graphs (RelayEngine(cuda_graphs=True); "
+                        "the baseline through a cache-less engine; needs a CUDA --device and --baseline paged)")
     slo_workers.add_arguments(ap)
     g = ap.add_argument_group("search")
     g.add_argument("--qps-start", type=POSITIVE, help="first QPS of the sweep (default: from the calibration)")
@@ -218,6 +221,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.timer == "cpu" and not _cpu_timer_ok(args):
         parser.error(f"--timer cpu needs --device cpu and --threads 1 (the job's compute on this thread), got "
                      f"--device {args.device} --threads {args.threads}")
+    if args.cuda_graphs and (not str(args.device).startswith("cuda") or args.baseline != "paged"):
+        parser.error(f"--cuda-graphs needs a CUDA --device and --baseline paged, got --device {args.device} "
+                     f"--baseline {args.baseline}")
     if args.candidates > args.num_items:
         parser.error(f"--candidates ({args.candidates}) must be <= --num-items ({args.num_items})")
     if not args.no_max_len and args.len_step > args.max_len_hi:
@@ -645,7 +651,7 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
                   "num_actions": cfg.num_actions, "max_seq_len": cfg.max_seq_len},
         "cache": {"page_size": 16, "hbm_mb": args.hbm_mb, "dram_mb_relay": args.dram_mb,
                   "lease_ms": args.lease_ms, "chunk_tokens": args.chunk_tokens,
-                  "store_misses": not args.no_store_misses},
+                  "store_misses": not args.no_store_misses, "cuda_graphs": args.cuda_graphs},
         "trigger": ("off (every pre-infer the cache can take)" if args.no_trigger else
                     {"kind": "SequenceAwareTrigger", "margin": args.trigger_margin,
                      "latency_model_ms": {"a": lat.a, "b": lat.b, "c": lat.c, "d": lat.d}}),

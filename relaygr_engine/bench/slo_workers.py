@@ -90,7 +90,7 @@ def _relay(bench, dram_mb: float, trigger: bool, chunk_tokens: int, store_misses
     if trigger and not a.no_trigger:
         hook = TriggerHook(SequenceAwareTrigger(bench.lat, TriggerConfig(
             slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)))
-    engine = RelayEngine(bench.model, cc, trigger=hook, store_misses=store_misses)
+    engine = RelayEngine(bench.model, cc, trigger=hook, store_misses=store_misses, cuda_graphs=a.cuda_graphs)
     return RelayService(engine, hook, chunk_tokens=chunk_tokens, device=a.device)
 
 
@@ -99,7 +99,8 @@ def build(bench, mode: str, trigger: bool = True) -> list[Worker]:
     a, K = bench.args, bench.args.workers
     store = not a.no_store_misses
     if mode == Mode.BASELINE.value:
-        return [Worker(BaselineService(bench.model, a.device, impl=a.baseline)) for _ in range(K)]
+        return [Worker(BaselineService(bench.model, a.device, impl=a.baseline, cuda_graphs=a.cuda_graphs))
+                for _ in range(K)]
     P = disagg_p(mode)
     if P is None:
         dram = a.dram_mb if mode == Mode.RELAY.value else 0.0

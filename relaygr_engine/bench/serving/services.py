@@ -119,12 +119,18 @@ class BaselineService:
     wants_prefill = False
     stateless = True  # no state carries from one request to the next: warm-up requests need not run
 
-    def __init__(self, model, device: str = "cpu", impl: str = "paged") -> None:
+    def __init__(self, model, device: str = "cpu", impl: str = "paged", cuda_graphs: bool = False) -> None:
         from ...config import parse_choice
 
         self.model = model
         self.impl = parse_choice(BaselineImpl, impl, "impl")
+        if cuda_graphs and self.impl is not BaselineImpl.PAGED:
+            raise ValueError(f"cuda_graphs applies to impl='paged', got impl={self.impl.value!r}")
+        self.cuda_graphs = cuda_graphs
         self._rank = model.rank_uncached if self.impl is BaselineImpl.PAGED else model.rank_full
+        if cuda_graphs:  # through the cache-less engine, whose forwards are graphed like the relay's
+            self._rank = (lambda h, c, request_time: self._uncached().rank_with_prefix(0, h, c,
+                                                                                       request_time=request_time).scores)
         self._t = _Tensors(device)
         self._engine = None
 
@@ -164,7 +170,8 @@ class BaselineService:
             from ...engine import RelayEngine
 
             cache = CacheConfig(device=self._t.device, page_size=16, num_pages=1)
-            self._engine = RelayEngine(self.model, cache, extend_on_rank=False, store_misses=False)
+            self._engine = RelayEngine(self.model, cache, extend_on_rank=False, store_misses=False,
+                                       cuda_graphs=self.cuda_graphs)
         return self._engine
 
     def prefill(self, req: Request, now: float) -> PrefillOutcome:
