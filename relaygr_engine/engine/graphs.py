@@ -23,7 +23,9 @@ served), then the bucket is captured.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -291,18 +293,30 @@ class GraphRunner:
 
     def _capture(self, b: _Bucket) -> None:
         graph = torch.cuda.CUDAGraph()
+        # No garbage collection during the capture: freeing a pinned host buffer there records an event on the
+        # stream it was copied on (the legacy default stream), which invalidates the capture. thread_local: a CUDA
+        # call of another thread of the process (a server's) cannot spoil it either.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._forward(b, *self._static(b))
         except Exception as exc:  # noqa: BLE001 - any capture failure: serve eagerly from now on
             self.buckets.pop(b.key, None)
-            self._disable(f"capture failed: {type(exc).__name__}: {exc}")
+            first = exc.__context__ or exc  # what failed inside the capture (ending it raises a second error)
+            self._disable(f"capture failed: {type(first).__name__}: {first}",
+                          "".join(traceback.format_exception(first)))
             return
+        finally:
+            if collecting:
+                gc.enable()
         b.graph, b.out = graph, out
         self.state.counters.graph_captures += 1
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, details: str = "") -> None:
         self.disabled = reason
         self.buckets.clear()
         self.state.counters.graph_failures += 1
         _log.warning("cuda_graphs: serving ranking forwards eagerly: %s", reason)
+        if details:
+            _log.info("cuda_graphs: the capture's failure:\n%s", details)
