@@ -51,6 +51,8 @@ __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "
 # multiple of 16 by default, so each new combination compiles a new binary (about a second, paid by the ranking
 # that meets it: ``relaygr bench slo`` on an H100 saw 2-second P99 stalls); these are passed as plain values.
 _BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
+
+
 @triton.jit
 def _time_bucket(dt, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr):
     """``min(bit_length(max(dt, 0)), TS_BITS)`` of an int64 tile, with integer compares and shifts only.

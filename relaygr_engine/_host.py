@@ -57,9 +57,12 @@ def _layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, max(total, _ALIGN)
 
 
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    return buf[offset:offset + n].view(dtype).view(shape)
+    return buf[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
 
 
 def _stage(tensors, offsets, total: int, device: torch.device) -> torch.Tensor:
@@ -85,9 +88,7 @@ class Arena:
 
     def __init__(self, specs: Sequence[tuple], device: torch.device) -> None:
         self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
-        sizes = [int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-                 for dtype, shape in self.specs]
-        self.offsets, self.nbytes = _layout(sizes)
+        self.offsets, self.nbytes = _layout([_nbytes(dtype, shape) for dtype, shape in self.specs])
         self.device = torch.device(device)
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views = [_view(self.buffer, o, dtype, shape) for (dtype, shape), o in zip(self.specs, self.offsets)]

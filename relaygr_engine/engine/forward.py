@@ -7,13 +7,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._host import ship, to_device
+from .._host import ship
 from ..batch import RelayBatch
 from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
 from ..torch_plan import build_torch_plan
 from ..ops import _resolve_backend, plan_paged_attention
 from .graphs import GraphRunner
+from .layout import check_scores, page_layout, split_scores
 from .records import Job
 from .timing import LazyTimer
 from .tiers import CacheState
@@ -87,24 +88,8 @@ class ForwardRunner:
             batch = batch if batch.device == dev else batch._moved(dev)
         else:
             batch = RelayBatch.from_requests(parts, device=dev)
-        indptr, last, indices = [0], [], []
-        w_rows, w_pages, w_slots = [], [], []
-        r0 = 0
-        for j, rows in zip(jobs, batch.rows):
-            n_pages = -(-j.start // ps)
-            indices.append(j.pages[:n_pages] if n_pages else np.zeros(0, dtype=np.int32))
-            indptr.append(indptr[-1] + n_pages)
-            last.append(j.start - (n_pages - 1) * ps if n_pages else 0)
-            n = j.prep.num_tokens - j.start
-            if j.write_pages is not None and n:
-                tok = np.arange(j.start, j.prep.num_tokens)
-                w_rows.append(np.arange(r0, r0 + n))
-                w_pages.append(np.asarray(j.write_pages)[tok // ps])
-                w_slots.append(tok % ps)
-            r0 += rows
-        i64 = (lambda a: to_device(np.concatenate(a), np.int64, dev))
-        host = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)) for a in (indptr, np.concatenate(indices),
-                                                                                      last)]
+        lay = page_layout(jobs, batch.rows, ps)
+        host = [torch.from_numpy(a) for a in (lay.indptr, lay.indices, lay.last)]
         kv_indptr, kv_indices, kv_last = ship(host, dev)
         backend = _resolve_backend(st.config.attention_backend, dev)
         timed = batch.timestamps is not None
@@ -116,19 +101,13 @@ class ForwardRunner:
                 batch.rows, batch.candidates_per_user, [j.start for j in jobs],
                 [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
                 ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None)
-        if w_rows:
-            paged.set_writes(i64(w_rows), i64(w_pages), i64(w_slots))
+        writes = lay.write_rows.size > 0
+        if writes:
+            paged.set_writes(*ship([torch.from_numpy(a) for a in (lay.write_rows, lay.write_pages, lay.write_slots)],
+                                   dev))
         with paged_context(batch, paged, self.layers):
             scores = self.model(batch)
-        C = batch.num_candidate_rows
-        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[0] != C:
-            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-            raise ValueError(f"model(batch) must return the candidate rows' scores [{C}, num_tasks] "
-                             f"(batch.num_candidate_rows = {C}), got {got}")
-        if w_rows and timed:
+        check_scores(scores, batch.num_candidate_rows)
+        if writes and timed:
             cache.timestamps[paged.write_pages, paged.write_slots] = batch.timestamps[paged.write_rows]
-        results, c0 = [], 0
-        for C_b in batch.candidates_per_user:
-            results.append(scores[c0:c0 + C_b] if C_b else None)
-            c0 += C_b
-        return results
+        return split_scores(scores, batch.candidates_per_user)

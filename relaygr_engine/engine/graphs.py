@@ -38,6 +38,7 @@ from ..batch import RelayBatch
 from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
 from ..kernels._common import cdiv, tile_table
+from .layout import check_scores, page_layout, split_scores
 from .records import Job
 from .tiers import CacheState
 
@@ -135,10 +136,11 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------ entry
     def run(self, jobs: list[Job], batch: RelayBatch) -> Optional[list]:
         """Each job's scores ``[C, num_tasks]`` from a graph replay (or the bucket's first, eager, forward); None
-        where this forward is not served here (graphs turned off after a failure, or a job without candidates):
-        the caller runs it eagerly. ``batch`` is the jobs' unpadded batch (on the host or the device)."""
+        where this forward is not served here (graphs turned off after a failure): the caller runs it eagerly.
+        ``jobs`` are rankings (each has candidates); ``batch`` is their unpadded batch (on the host or the
+        device)."""
         c = self.state.counters
-        if self.disabled is not None or any(j.candidates is None for j in jobs):
+        if self.disabled is not None:
             c.graph_eager += 1
             return None
         key = self.key(jobs, batch)
@@ -160,11 +162,7 @@ class GraphRunner:
                 return None
             if self.capture:
                 self._capture(b)
-        out, c0 = [], 0
-        for C_b in batch.candidates_per_user:
-            out.append(scores[c0:c0 + C_b])
-            c0 += C_b
-        return out
+        return split_scores(scores, batch.candidates_per_user)
 
     def key(self, jobs: list[Job], batch: RelayBatch) -> GraphKey:
         """The bucket of a batch of ranking jobs."""
@@ -213,27 +211,17 @@ class GraphRunner:
         empty = key.users - len(jobs)
         seg_rows = list(batch.rows) + [0] * empty + [pad_hist + pad_cand]
         seg_cand = list(batch.candidates_per_user) + [0] * empty + [pad_cand]
-        indptr, indices, last = [0], [], []
+        lay = page_layout(jobs, batch.rows, ps)
         slots = np.full(R_pad, -1, dtype=np.int64)
-        cand_rows, r0 = [], 0
-        for j, rows, C_b in zip(jobs, batch.rows, batch.candidates_per_user):
-            n_pages = cdiv(j.start, ps)
-            indices.append(np.asarray(j.pages[:n_pages] if n_pages else (), dtype=np.int32))
-            indptr.append(indptr[-1] + n_pages)
-            last.append(j.start - (n_pages - 1) * ps if n_pages else 0)
-            n = j.prep.num_tokens - j.start
-            if j.write_pages is not None and n:
-                tok = np.arange(j.start, j.prep.num_tokens)
-                slots[r0:r0 + n] = np.asarray(j.write_pages, dtype=np.int64)[tok // ps] * ps + tok % ps
-            cand_rows.extend(range(r0 + rows - C_b, r0 + rows))
-            r0 += rows
-        indptr += [indptr[-1]] * (empty + 1)
-        last += [0] * (empty + 1)
-        cand_rows.extend(range(R + pad_hist, R_pad))
+        slots[lay.write_rows] = lay.write_pages * ps + lay.write_slots
+        ends = np.cumsum(batch.rows)
+        cand_rows = [np.arange(e - C_b, e) for e, C_b in zip(ends, batch.candidates_per_user)]
         pages = b.view("kv_indices").numel()
-        flat = np.concatenate([*indices, np.zeros(pages - indptr[-1], dtype=np.int32)])
-        host = {"cu_seqlens": np.cumsum([0, *seg_rows]), "num_candidates": seg_cand, "kv_indptr": indptr,
-                "kv_indices": flat, "kv_last": last, "slots": slots, "candidate_rows": cand_rows}
+        host = {"cu_seqlens": np.cumsum([0, *seg_rows]), "num_candidates": seg_cand,
+                "kv_indptr": np.concatenate([lay.indptr, np.full(empty + 1, lay.indptr[-1])]),
+                "kv_indices": np.concatenate([lay.indices, np.zeros(pages - lay.indptr[-1], dtype=np.int32)]),
+                "kv_last": np.concatenate([lay.last, np.zeros(empty + 1, dtype=np.int32)]), "slots": slots,
+                "candidate_rows": np.concatenate([*cand_rows, np.arange(R + pad_hist, R_pad)])}
         values = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=_NUMPY[b.view(n).dtype])) for n, a in host.items()}
         values["tiles"] = tile_table(seg_rows, b.block_m, b.num_tiles)
         if "ts_rows" in b.names:
@@ -281,11 +269,7 @@ class GraphRunner:
     def _forward(self, b: _Bucket, batch: RelayBatch, paged: PagedState) -> torch.Tensor:
         with paged_context(batch, paged, self.layers):
             scores = self.model(batch)
-        C = b.key.candidates
-        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[0] != C:
-            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-            raise ValueError(f"model(batch) must return the candidate rows' scores [{C}, num_tasks] "
-                             f"(batch.num_candidate_rows = {C}), got {got}")
+        check_scores(scores, b.key.candidates)
         if "ts_rows" in b.names:
             self.state.cache.timestamps.view(-1).index_copy_(0, b.view("ts_flat"),
                                                              batch.timestamps[b.view("ts_rows")])
