@@ -129,6 +129,16 @@ class RatioController:
         self._want: Optional[int] = None
         self._streak = 0
 
+    @classmethod
+    def starting_at(cls, prefill: int, rank: int, **options) -> "RatioController":
+        """A controller whose starting split is ``(prefill, rank)`` (each >= 1), e.g. the pools as deployed;
+        ``options`` are the constructor's keywords."""
+        _checks.count("prefill", prefill, 1)
+        _checks.count("rank", rank, 1)
+        c = cls(prefill + rank, ServiceRates(prefill_s=1.0, rank_s=1.0), **options)
+        c.n_p, c.n_d = prefill, rank
+        return c
+
     @property
     def split(self) -> tuple[int, int]:
         return self.n_p, self.n_d

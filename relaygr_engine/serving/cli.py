@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                         "ranking pool of --rank-replicas (default: co-located --replicas)")
     c.add_argument("--rank-replicas", type=POSITIVE_INT, default=None,
                    help="disaggregated: ranking pool size (default 2)")
+    c.add_argument("--ratio-control", type=json_object, nargs="?", const={}, default=None,
+                   help="disaggregated: move replicas between the pools online from live SLO attainment, queueing and "
+                        "late prefixes (Serve's autoscaling with relaygr_engine.serving.ratio_policy); optional JSON "
+                        "of PoolRatioPolicy keywords, e.g. '{\"window_s\": 10}' (deployed from a Serve config)")
     c.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. 'auto' or 'HOST:6379'); default: start a local one on 127.0.0.1")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
@@ -69,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--latency-profile", default=None, help="the trigger's profile (default: the shipped one)")
     e.add_argument("--max-pending-prefills", type=POSITIVE_INT, default=None,
                    help="pre-infers a replica holds at once; more are rejected and forwarded (default: no bound)")
+    e.add_argument("--slo-ms", type=POSITIVE, default=100.0,
+                   help="ranking latency objective each replica measures its rankings against (100)")
     e.add_argument("--torch-threads", type=POSITIVE_INT, default=1, help="torch threads per replica (1)")
     lim = p.add_argument_group("request limits (checked before a request is parsed into tensors)")
     lim.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20, help="HTTP body bytes; past it 413 (1 MiB)")
@@ -93,7 +99,7 @@ def _spec(args):
                         max_pinned_fraction=args.max_pinned_fraction, lease_ttl_s=args.lease_ttl_s)
     return ReplicaSpec(model=dict(args.model), seed=args.seed, state_dict_path=args.state_dict, cache=cache,
                        trigger=args.trigger, latency_profile=args.latency_profile, torch_threads=args.torch_threads,
-                       max_pending_prefills=args.max_pending_prefills,
+                       max_pending_prefills=args.max_pending_prefills, slo_ms=args.slo_ms,
                        limits=RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                                             max_candidates=args.max_candidates, max_history=args.max_history))
 
@@ -105,6 +111,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = _spec(args)
         if args.rank_replicas is not None and args.prefill_replicas is None:
             raise ValueError("--rank-replicas needs --prefill-replicas (the disaggregated mode)")
+        if args.ratio_control is not None:
+            if args.prefill_replicas is None:
+                raise ValueError("--ratio-control needs --prefill-replicas (the disaggregated mode)")
+            from .ratio_policy import PoolRatioPolicy
+            try:
+                PoolRatioPolicy.from_options(args.ratio_control)
+            except ValueError as e:
+                raise ValueError(f"--ratio-control: {e}") from None
         if args.prefill_replicas is not None and args.rank_replicas is None:
             args.rank_replicas = 2
     except (ValueError, TypeError) as e:
@@ -171,9 +185,9 @@ def _serve(args, spec, ray, serve) -> int:
         else:
             from .disaggregated import run_disaggregated
             run_disaggregated(spec, prefill_replicas=args.prefill_replicas, rank_replicas=args.rank_replicas,
-                              **common)
+                              ratio_control=args.ratio_control, **common)
             shape = (f"{args.prefill_replicas} pre-infer + {args.rank_replicas} ranking replica(s) "
-                     f"(disaggregated)")
+                     f"(disaggregated{', live ratio control' if args.ratio_control is not None else ''})")
         prefix = args.route_prefix.rstrip("/") + "/"
         url = f"http://{args.host}:{args.port}{prefix}"
         print(f"relaygr serve: {shape} of app {args.app_name!r} on {where}")

@@ -41,10 +41,11 @@ from .ray_serve import RelayReplica, ReplicaSpec
 from .route_key import RouteKey
 
 __all__ = ["PrefillReplica", "RankReplica", "build_disaggregated_app", "run_disaggregated", "pool_autoscaling",
-           "PREFILL_DEPLOYMENT", "RANK_DEPLOYMENT"]
+           "app_from_args", "PREFILL_DEPLOYMENT", "RANK_DEPLOYMENT", "BUILDER_PATH"]
 
 PREFILL_DEPLOYMENT = "RelayPrefill"
 RANK_DEPLOYMENT = "RelayRank"
+BUILDER_PATH = "relaygr_engine.serving.disaggregated:app_from_args"
 
 
 class _OnNode:
@@ -176,6 +177,7 @@ class PrefillReplica(_OnNode, RelayReplica):
                 break
             skip.append(r["replica"])
         self._c["handover_forwarded"] += int(bool(skip))
+        self.load.handed_over(landed=reply is not None and reply["admitted"])
         if reply is None or not reply["admitted"]:
             self._c["handover_failed"] += 1
             reason = "rank_pool_full" if reply is None else reply["reason"]
@@ -187,9 +189,9 @@ def pool_autoscaling(total: int, rates, *, slack: int = 1) -> tuple[dict, dict]:
     """Each pool's Serve ``autoscaling_config`` from measured service rates: the split of ``total`` replicas that
     balances the pools (:func:`relaygr_engine.policy.ratio.split`), each pool free to move ``slack`` around it.
 
-    Returns ``(pre-infer pool config, ranking pool config)`` for :func:`build_disaggregated_app`; an online
-    :class:`~relaygr_engine.policy.ratio.RatioController` move is applied by deploying the app again with the
-    configs of its new split (Serve updates autoscaling settings in place, without restarting replicas).
+    Returns ``(pre-infer pool config, ranking pool config)`` for :func:`build_disaggregated_app`. To move replicas
+    between the pools online from live measurements, deploy with ``run_disaggregated(..., ratio_control={...})``
+    instead (:mod:`~relaygr_engine.serving.ratio_policy`).
     """
     from ..policy.ratio import autoscaling_config, split
 
@@ -246,12 +248,83 @@ def build_disaggregated_app(spec: ReplicaSpec, *, prefill_replicas: int = 1, ran
     return rank.bind(spec, prefill.bind(spec, RANK_DEPLOYMENT, app_name, handover_deadline_s))
 
 
+def app_from_args(args: Mapping[str, Any]):
+    """Serve application builder for configs (import path :data:`BUILDER_PATH`): ``args`` holds ``spec``
+    (:meth:`ReplicaSpec.to_json` fields) and ``options`` (keywords of :func:`build_disaggregated_app`)."""
+    if not isinstance(args, Mapping) or not isinstance(args.get("spec"), Mapping):
+        raise ValueError(f"args must be a dict with a 'spec' dict, got {args!r}")
+    return build_disaggregated_app(ReplicaSpec(**args["spec"]), **dict(args.get("options") or {}))
+
+
 def run_disaggregated(spec: ReplicaSpec, *, app_name: str = "relaygr", route_prefix: str = "/",
-                      host: str = "127.0.0.1", port: int = 8000, **app_options):
-    """Deploy :func:`build_disaggregated_app`; returns ``(ranking pool handle, pre-infer pool handle)``."""
+                      host: str = "127.0.0.1", port: int = 8000, ratio_control: Optional[Mapping[str, Any]] = None,
+                      deploy_timeout_s: float = 300.0, **app_options):
+    """Deploy :func:`build_disaggregated_app`; returns ``(ranking pool handle, pre-infer pool handle)``.
+
+    ``ratio_control``: keywords of :class:`~relaygr_engine.serving.ratio_policy.PoolRatioPolicy` (``{}`` for its
+    defaults): the live ratio policy then moves replicas between the pools (each pool's autoscaling config
+    defaults to :func:`~relaygr_engine.serving.ratio_policy.pool_autoscaling_config`). Serve takes such a policy
+    from a config only, so the app is then deployed from a Serve config, as ``serve deploy`` would: like it, this
+    replaces the other apps on the cluster that were deployed from a config.
+    """
     from ray import serve
 
+    if ratio_control is None:  # bad options raise before Serve starts
+        app = build_disaggregated_app(spec, app_name=app_name, **app_options)
+        deploy = lambda: serve.run(app, name=app_name, route_prefix=route_prefix)  # noqa: E731
+    else:
+        deploy = _config_deploy(spec, app_name, route_prefix, ratio_control, deploy_timeout_s, app_options)
     serve.start(http_options={"host": host, "port": int(port)})
-    rank = serve.run(build_disaggregated_app(spec, app_name=app_name, **app_options), name=app_name,
-                     route_prefix=route_prefix)
-    return rank, serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app_name)
+    return deploy(), serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app_name)
+
+
+def _config_deploy(spec: ReplicaSpec, app_name: str, route_prefix: str, ratio_control: Mapping[str, Any],
+                   timeout_s: float, app_options: dict):
+    """Check everything, then return the function that deploys the app from a Serve config with the live ratio
+    policy and waits (up to ``timeout_s``) until it runs."""
+    import json
+
+    from .ratio_policy import POLICY_PATH, PoolRatioPolicy, pool_autoscaling_config
+
+    if not isinstance(ratio_control, Mapping):
+        raise ValueError(f"ratio_control must be a dict of PoolRatioPolicy keywords, got "
+                         f"{type(ratio_control).__name__}")
+    _checks.number("deploy_timeout_s", timeout_s, low=0.0, low_open=True)
+    kwargs = dict({"prefill_deployment": PREFILL_DEPLOYMENT, "rank_deployment": RANK_DEPLOYMENT}, **ratio_control)
+    policy = PoolRatioPolicy.from_options(kwargs)  # checks the keywords
+    options = dict(app_options, app_name=app_name)
+    n_p, n_d = options.get("prefill_replicas", 1), options.get("rank_replicas", 2)
+    _checks.count("prefill_replicas", n_p, 1)
+    _checks.count("rank_replicas", n_d, 1)
+    for pool, n in (("prefill", n_p), ("rank", n_d)):
+        if options.get(f"{pool}_autoscaling") is None:
+            options[f"{pool}_autoscaling"] = pool_autoscaling_config(n, n_p + n_d, window_s=policy.window_s)
+    build_disaggregated_app(spec, **options)  # every option checked before Serve starts
+    args = {"spec": spec.to_json(), "options": options}
+    try:
+        json.dumps([args, kwargs])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"with ratio_control the spec and options go into a Serve config and must be JSON: {e}") \
+            from None
+
+    def deploy():
+        from ray import serve
+        from ray.serve._private.api import serve_start  # the client that `serve deploy` and `serve run` use
+        from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+        app = ServeApplicationSchema(name=app_name, route_prefix=route_prefix, import_path=BUILDER_PATH, args=args,
+                                     autoscaling_policy={"policy_function": POLICY_PATH, "policy_kwargs": kwargs})
+        serve_start().deploy_apps(ServeDeploySchema(applications=[app]))
+        end = time.monotonic() + timeout_s
+        while True:
+            status = serve.status().applications.get(app_name)
+            if status is not None and status.status == "RUNNING":
+                return serve.get_app_handle(app_name)
+            if status is not None and status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"Serve could not deploy {app_name!r}: {status.message}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"{app_name!r} was not running after {timeout_s:g} s "
+                                   f"({status.status if status else 'not listed'})")
+            time.sleep(0.25)
+
+    return deploy

@@ -19,6 +19,8 @@ or a ``state_dict`` file, a ``CacheConfig``, optionally a ``TriggerConfig``), an
 * ``stats()`` / ``GET /stats``: the engine's counters plus the replica's;
 * Prometheus metrics through ``ray.serve.metrics`` (:mod:`relaygr_engine.serving.metrics`: engine counters,
   request latency histograms, cache gauges), which Ray's metrics agent exports on each node's metrics port;
+* ``record_autoscaling_stats()``: the replica's load window (rankings within ``ReplicaSpec.slo_ms``, queueing,
+  late prefixes) for Serve's autoscaling and the live ratio policy (:mod:`relaygr_engine.serving.ratio_policy`);
 * ``record_routing_stats()``: what the request router reads (free, evictable and pinned pages, in-flight
   pre-infers and rankings, whether it can take a pre-infer now).
 
@@ -35,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
+from enum import Enum
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -49,6 +53,7 @@ from ..policy.latency import LatencyModel
 from ..policy.trigger import SequenceAwareTrigger, TriggerConfig
 from . import wire
 from .metrics import EngineMetrics
+from .ratio_policy import LoadWindow
 from .route_key import parse_user_id
 
 __all__ = ["ReplicaSpec", "RelayReplica", "build_app", "run", "DEPLOYMENT_NAME"]
@@ -91,6 +96,9 @@ class ReplicaSpec:
     max_pending_prefills : int, optional
         Pre-infers a replica holds at once (queued or running, >= 1); one more is rejected immediately. None: no
         bound.
+    slo_ms : float
+        The ranking latency objective (> 0) a replica measures its rankings against (time in the replica), for
+        the live ratio policy (:mod:`~relaygr_engine.serving.ratio_policy`).
     limits : RequestLimits or dict
         What one request may hold (body bytes, JSON nesting, candidates, history entries), checked before it is
         parsed into tensors (:class:`~relaygr_engine.serving.wire.RequestLimits`; default: its defaults, with the
@@ -105,6 +113,7 @@ class ReplicaSpec:
     latency_profile: Optional[str] = None
     torch_threads: int = 1
     max_pending_prefills: Optional[int] = None
+    slo_ms: float = 100.0
     limits: Union[wire.RequestLimits, dict] = wire.RequestLimits()
 
     def __post_init__(self) -> None:
@@ -117,10 +126,25 @@ class ReplicaSpec:
         _checks.count("torch_threads", self.torch_threads, 1)
         if self.max_pending_prefills is not None:
             _checks.count("max_pending_prefills", self.max_pending_prefills, 1)
+        object.__setattr__(self, "slo_ms", _checks.number("slo_ms", self.slo_ms, low=0.0, low_open=True))
         for name in ("state_dict_path", "latency_profile"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise ValueError(f"{name} must be a path or None, got {type(v).__name__}")
+
+    def to_json(self) -> dict:
+        """The spec as JSON-ready fields (``ReplicaSpec(**spec.to_json())`` builds it again), e.g. for the
+        arguments of a Serve config."""
+        def plain(v):
+            if is_dataclass(v):
+                return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
+            if isinstance(v, Enum):
+                return v.value
+            if isinstance(v, torch.dtype):
+                return str(v).removeprefix("torch.")
+            return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+        return plain(self)
 
     def build_engine(self) -> RelayEngine:
         """The model (seeded, or loaded from ``state_dict_path``), its trigger and engine, on the cache device."""
@@ -169,6 +193,8 @@ class RelayReplica:
         self.metrics = EngineMetrics.ray_serve() if self.actor_name is not None else None
         self._inflight_prefills = 0
         self._inflight_ranks = 0
+        self._serial = threading.Lock()  # engine calls of requests, in arrival order of the lock
+        self.load = LoadWindow()
         self._c = {"replica_prefill_requests": 0, "replica_prefill_rejections": 0, "replica_busy_rejections": 0,
                    "replica_rank_requests": 0, "replica_foreign_tickets": 0}
 
@@ -177,12 +203,15 @@ class RelayReplica:
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
         return parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device, self.max_history)
 
-    def _engine_call(self, fn, *args):
-        """``fn(*args)`` on the engine, then (with metrics) its counters exported, in the calling thread."""
-        out = fn(*args)
-        if self.metrics is not None:
-            self.metrics.record_engine(self.engine.stats())
-        return out
+    def _engine_call(self, since: float, fn, *args) -> tuple:
+        """``fn(*args)`` on the engine once the replica's earlier engine calls are done, then (with metrics) its
+        counters exported, in the calling thread; returns ``(result, seconds queued since `since`)``."""
+        with self._serial:
+            waited = time.perf_counter() - since
+            out = fn(*args)
+            if self.metrics is not None:
+                self.metrics.record_engine(self.engine.stats())
+        return out, waited
 
     def _record(self, kind: str, started: float, outcome: Optional[str] = None) -> None:
         """A request of ``kind`` answered: its latency and the in-flight gauge into the metrics."""
@@ -211,9 +240,11 @@ class RelayReplica:
             return wire.prefill_reply(None, self.replica_id, user, reason="replica:busy")
         self._inflight_prefills += 1
         try:
-            ticket = await asyncio.to_thread(self._engine_call, self.engine.prefill_prefix, user, history)
+            ticket, waited = await asyncio.to_thread(self._engine_call, started, self.engine.prefill_prefix, user,
+                                                     history)
         finally:
             self._inflight_prefills -= 1
+        self.load.prefilled(waited)
         reply = wire.prefill_reply(ticket, self.replica_id, user)
         if reply["rejected"]:
             self._c["replica_prefill_rejections"] += 1
@@ -241,9 +272,13 @@ class RelayReplica:
         self._c["replica_rank_requests"] += 1
         self._inflight_ranks += 1
         try:
-            res = (await asyncio.to_thread(self._engine_call, self.engine.rank_with_prefix_batch, [req]))[0]
+            out, waited = await asyncio.to_thread(self._engine_call, started, self.engine.rank_with_prefix_batch,
+                                                  [req])
+            res = out[0]
         finally:
             self._inflight_ranks -= 1
+        self.load.ranked(waited, time.perf_counter() - started, self.spec.slo_ms / 1e3,
+                         missed_ticket=ticket is not None and res.source == "recompute")
         self._record("rank", started)
         return wire.rank_reply(res, self.replica_id, ticket is not None)
 
@@ -258,6 +293,12 @@ class RelayReplica:
         """The replica's id, actor name (namespace ``serve``), process id and device."""
         return {"replica": self.replica_id, "actor_name": self.actor_name, "pid": os.getpid(),
                 "device": str(self.device)}
+
+    async def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metrics: the :class:`~relaygr_engine.serving.ratio_policy.LoadWindow` since
+        the last call (collected only when the deployment autoscales; read by
+        :class:`~relaygr_engine.serving.ratio_policy.PoolRatioPolicy`)."""
+        return self.load.take()
 
     def record_routing_stats(self) -> dict:
         """What the request router reads (polled by Serve every ``request_routing_stats_period_s``)."""
