@@ -193,7 +193,7 @@ class RelayReplica:
         self.metrics = EngineMetrics.ray_serve() if self.actor_name is not None else None
         self._inflight_prefills = 0
         self._inflight_ranks = 0
-        self._serial = threading.Lock()  # engine calls of requests, in arrival order of the lock
+        self._serial = threading.Lock()  # requests reach the engine one at a time; the wait before it is measured
         self.load = LoadWindow()
         self._c = {"replica_prefill_requests": 0, "replica_prefill_rejections": 0, "replica_busy_rejections": 0,
                    "replica_rank_requests": 0, "replica_foreign_tickets": 0}
