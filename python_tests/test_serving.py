@@ -202,22 +202,30 @@ def test_stop_over_ends_the_run_once_the_outcome_is_certain():
     assert not res.stopped_early and len(res.latency_s) == 6
 
 
-def test_relay_service_on_the_real_engine_chunks_caches_and_counts_trigger_decisions():
-    torch = pytest.importorskip("torch")
+def _small_log_and_ranker(num_users: int, per_user: int, num_requests: int):
+    """A real-engine set-up: a log of ``num_users`` users with ``per_user`` events each (seeded), its workload of
+    ``num_requests`` requests (4 candidates, 10 s pipeline gap), and a 1-layer HSTU ranker."""
     import relaygr_engine as rg
-    from relaygr_engine.bench.serving import BaselineService, RelayService, TriggerHook
     from relaygr_engine.bench.workload import InteractionLog, build_workload
-    from relaygr_engine.policy import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
     rng = np.random.default_rng(0)
-    users = np.repeat(np.arange(4), 30)
-    times = np.concatenate([np.cumsum(rng.integers(1, 20, size=30)) for _ in range(4)])
-    log = InteractionLog(users, rng.integers(0, 50, size=120), times, None, "none", "test")
-    w = build_workload(log, WorkloadConfig(num_items=64, num_actions=1, num_requests=20, num_candidates=4,
+    users = np.repeat(np.arange(num_users), per_user)
+    times = np.concatenate([np.cumsum(rng.integers(1, 20, size=per_user)) for _ in range(num_users)])
+    log = InteractionLog(users, rng.integers(0, 50, size=num_users * per_user), times, None, "none", "test")
+    w = build_workload(log, WorkloadConfig(num_items=64, num_actions=1, num_requests=num_requests, num_candidates=4,
                                            base_length=40, suffix_tokens=2, pipeline_delay_s=10.0))
     cfg = rg.GRModelConfig(attention="hstu", num_layers=1, hidden_dim=16, num_heads=1, head_dim=8, num_items=64,
                            num_actions=1, max_seq_len=128)
-    model = rg.build_ranker(cfg, seed=0)
+    return w, rg.build_ranker(cfg, seed=0)
+
+
+def test_relay_service_on_the_real_engine_chunks_caches_and_counts_trigger_decisions():
+    pytest.importorskip("torch")
+    import relaygr_engine as rg
+    from relaygr_engine.bench.serving import BaselineService, RelayService, TriggerHook
+    from relaygr_engine.policy import LatencyModel, SequenceAwareTrigger, TriggerConfig
+
+    w, model = _small_log_and_ranker(num_users=4, per_user=30, num_requests=20)
     # at 0.01 QPS with a 10 s pipeline gap every pre-infer (8-token chunks) finishes before its ranking, and a
     # user's next pre-infer starts after its previous ranking
     eng = rg.RelayEngine(model, rg.CacheConfig(page_size=4, num_pages=512, lease_ttl_s=30.0))

@@ -8,7 +8,7 @@ from relaygr_engine.bench.serving import (BatchPolicy, PrefillOutcome, RankOutco
 from relaygr_engine.bench.workload import Request, Workload, WorkloadConfig
 from relaygr_engine.policy.affinity import rank_replicas
 
-from test_serving import FakeService, FakeTimer, _qps
+from test_serving import FakeService, FakeTimer, _qps, _small_log_and_ranker
 
 
 def _workload(arrivals_s, users, delay=0.05, tokens=1) -> Workload:
@@ -132,17 +132,8 @@ def test_disaggregated_workers_on_real_engines_rank_from_shipped_prefixes():
     pytest.importorskip("torch")
     import relaygr_engine as rg
     from relaygr_engine.bench.serving import PreInferService, RelayService, disaggregated_workers
-    from relaygr_engine.bench.workload import InteractionLog, build_workload
 
-    rng = np.random.default_rng(0)
-    users = np.repeat(np.arange(6), 10)
-    times = np.concatenate([np.cumsum(rng.integers(1, 20, size=10)) for _ in range(6)])
-    log = InteractionLog(users, rng.integers(0, 50, size=60), times, None, "none", "test")
-    w = build_workload(log, WorkloadConfig(num_items=64, num_actions=1, num_requests=24, num_candidates=4,
-                                           base_length=40, suffix_tokens=2, pipeline_delay_s=10.0))
-    cfg = rg.GRModelConfig(attention="hstu", num_layers=1, hidden_dim=16, num_heads=1, head_dim=8, num_items=64,
-                           num_actions=1, max_seq_len=128)
-    model = rg.build_ranker(cfg, seed=0)
+    w, model = _small_log_and_ranker(num_users=6, per_user=10, num_requests=24)
 
     def relay(chunk=0):
         return RelayService(rg.RelayEngine(model, rg.CacheConfig(page_size=4, num_pages=512, lease_ttl_s=30.0)),
