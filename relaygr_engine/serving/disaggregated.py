@@ -293,13 +293,11 @@ def _config_deploy(spec: ReplicaSpec, app_name: str, route_prefix: str, ratio_co
     kwargs = dict({"prefill_deployment": PREFILL_DEPLOYMENT, "rank_deployment": RANK_DEPLOYMENT}, **ratio_control)
     policy = PoolRatioPolicy.from_options(kwargs)  # checks the keywords
     options = dict(app_options, app_name=app_name)
+    build_disaggregated_app(spec, **options)  # every option checked before Serve starts
     n_p, n_d = options.get("prefill_replicas", 1), options.get("rank_replicas", 2)
-    _checks.count("prefill_replicas", n_p, 1)
-    _checks.count("rank_replicas", n_d, 1)
     for pool, n in (("prefill", n_p), ("rank", n_d)):
         if options.get(f"{pool}_autoscaling") is None:
             options[f"{pool}_autoscaling"] = pool_autoscaling_config(n, n_p + n_d, window_s=policy.window_s)
-    build_disaggregated_app(spec, **options)  # every option checked before Serve starts
     args = {"spec": spec.to_json(), "options": options}
     try:
         json.dumps([args, kwargs])

@@ -168,10 +168,11 @@ class PoolRatioPolicy:
         now = pre.current_time if pre.current_time is not None else time.time()
         targets = (pre.target_num_replicas, rank.target_num_replicas)
         settled = all(c.current_num_replicas == c.target_num_replicas for c in (pre, rank))
-        if self.controller is None or self.controller.split != targets or not settled:
-            if self.controller is None or self.controller.split != targets:
-                self.controller = RatioController.starting_at(*targets, **self.options)
-            self._next = now + self.window_s  # judge only windows measured on the pools as they are now
+        if self.controller is None or self.controller.split != targets:  # first tick, or changed outside
+            self.controller = RatioController.starting_at(*targets, **self.options)
+            self._next = now + self.window_s
+        elif not settled:  # Serve is moving replicas: judge only windows measured on the pools as they are now
+            self._next = now + self.window_s
         elif now >= self._next:
             self._next = now + self.window_s
             self.last_window = window_stats(pre.aggregated_metrics, rank.aggregated_metrics,
