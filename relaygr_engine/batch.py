@@ -50,6 +50,41 @@ def request_time_of(history: Behaviors, request_time) -> Optional[int]:
     return t
 
 
+_TENSOR_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "is_behavior",
+                  "segment_ids", "candidate_rows", "cu_seqlens", "num_candidates")
+
+
+def _cat(xs: list) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
+    """The row tables of a batch built on the host (numpy, no tensor op) and moved to ``dev`` in one copy.
+
+    ``tokens`` (each user's history length ``T``) may be None: the positions are then not made.
+    """
+    B = len(rows)
+    m, C, U, P = (np.asarray(x, np.int64).reshape(B) for x in (rows, ncand, nctx, starts))
+    R = int(m.sum())
+    seg = np.repeat(np.arange(B, dtype=np.int64), m)
+    ends = np.cumsum(m)
+    local = np.arange(R, dtype=np.int64) - (ends - m)[seg]               # row index within its segment
+    is_cand = local >= (m - C)[seg]
+    is_ctx = local < U[seg]
+    host = dict(is_candidate=is_cand, is_context=is_ctx, is_behavior=~(is_cand | is_ctx), segment_ids=seg,
+                candidate_rows=np.flatnonzero(is_cand).astype(np.int64),
+                cu_seqlens=np.concatenate([[0], ends]).astype(np.int32), num_candidates=C.astype(np.int32))
+    if tokens is not None:
+        T = np.asarray(tokens, np.int64).reshape(B)
+        host["positions"] = np.minimum(P[seg] + local, T[seg])           # candidates all at T
+    names = list(host)
+    moved = ship([torch.from_numpy(host[n]) for n in names], dev)
+    out = dict(zip(names, moved))
+    out.update(start=tuple(int(x) for x in starts), rows=tuple(int(x) for x in rows),
+               candidates_per_user=tuple(int(x) for x in ncand), has_prefix=bool(P.any()))
+    return out
+
+
 def _on(x: torch.Tensor, device: torch.device) -> bool:
     """Whether ``x`` may feed a model on ``device``: on that device, or on the host (moved in the batch)."""
     return x.device == device or x.device.type == "cpu"
@@ -104,6 +139,12 @@ class RelayBatch:
     Build one with :meth:`full` (one whole request, no cache: training and the oracle) or :meth:`from_requests`;
     the engine builds them for relay forwards. ``R`` rows, ``B`` users; every tensor is on one device.
 
+    A compiled model (``torch.compile(model, fullgraph=True, dynamic=True)``) should read only the tensors and the
+    None-ness of the optional ones: they are prepared before the forward, so one graph serves batches of any
+    lengths. The host tuples (``start``, ``rows``, ``candidates_per_user``) and ``num_candidate_rows`` are Python
+    values: a compiled model that reads them is specialised on them (a recompile per new value) and cannot be
+    replayed by a CUDA graph.
+
     Attributes
     ----------
     item_ids : LongTensor [R]
@@ -114,9 +155,12 @@ class RelayBatch:
         Row timestamps (see the module docstring); None when the histories have no timestamps.
     positions : LongTensor [R]
         History token ``t`` at position ``t``; candidates at ``T``.
-    is_candidate : BoolTensor [R]
-    is_context : BoolTensor [R]
-        Contextual user-feature rows (``Behaviors.context_ids``).
+    is_candidate, is_context, is_behavior : BoolTensor [R]
+        Candidate rows; contextual user-feature rows (``Behaviors.context_ids``); behavior rows (neither).
+    segment_ids : LongTensor [R]
+        The user (segment ``b`` in ``0..B-1``) of each row.
+    candidate_rows : LongTensor [number of candidate rows]
+        Row indices of the candidates, in batch order (``x[batch.candidate_rows]`` selects what to score).
     cu_seqlens : IntTensor [B+1]
         Row offsets of each user's segment (int32).
     num_candidates : IntTensor [B]
@@ -125,6 +169,8 @@ class RelayBatch:
         Cached history tokens of each user (the position of its first row); 0 in a no-cache batch.
     rows, candidates_per_user : tuple of int, length B
         Host copies of the segment lengths and of ``num_candidates`` (no device read needed).
+    has_prefix : bool
+        Some user starts after a cached prefix (``any(start)``): such a batch runs only in a relay forward.
     """
 
     item_ids: torch.Tensor
@@ -138,6 +184,10 @@ class RelayBatch:
     start: tuple
     rows: tuple
     candidates_per_user: tuple
+    is_behavior: torch.Tensor = None
+    segment_ids: torch.Tensor = None
+    candidate_rows: torch.Tensor = None
+    has_prefix: bool = False
 
     # ------------------------------------------------------------------------------------------ building
     @classmethod
@@ -180,8 +230,7 @@ class RelayBatch:
 
     def _moved(self, device: torch.device) -> "RelayBatch":
         """This host batch on ``device``, in one copy."""
-        names = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "cu_seqlens",
-                 "num_candidates")
+        names = _TENSOR_FIELDS
         moved = ship([getattr(self, n) for n in names], device)
         return dataclasses.replace(self, **dict(zip(names, moved)))
 
@@ -189,8 +238,8 @@ class RelayBatch:
     def _build(cls, parts: Sequence[tuple], dev: torch.device) -> "RelayBatch":
         h0 = parts[0][0]
         timed, acted = h0.timestamps is not None, h0.action_ids is not None
-        items, actions, times, pos, ctx = [], [], [], [], []
-        starts, rows, ncand = [], [], []
+        items, actions, times = [], [], []
+        starts, rows, ncand, nctx, tokens = [], [], [], [], []
         for i, (h, start, c, t_req) in enumerate(parts):
             if not isinstance(h, Behaviors):
                 raise ValueError(f"parts[{i}] history must be a Behaviors, got {type(h).__name__}")
@@ -211,50 +260,39 @@ class RelayBatch:
             if c is not None and c.device != dev:
                 c = ship([c], dev)[0]
             b0 = max(0, start - U)
-            pieces = [h.context_ids[start:]] if start < U else []
-            pieces.append(h.item_ids[b0:])
+            n_ctx = max(0, U - start)
+            pieces = [h.context_ids[start:], h.item_ids[b0:]] if n_ctx else [h.item_ids[b0:]]
             if C:
                 pieces.append(c)
-            items.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-            n_ctx = max(0, U - start)
-            n_hist = T - start
+            items += pieces
             if acted:
-                a = h.action_ids[b0:]
-                if n_ctx or C:
-                    a = torch.cat([a.new_zeros(n_ctx), a, a.new_zeros(C)])
-                actions.append(a)
+                if n_ctx:
+                    actions.append(h.action_ids.new_zeros(n_ctx))
+                actions.append(h.action_ids[b0:])
+                if C:
+                    actions.append(h.action_ids.new_zeros(C))
             if timed:
                 ts = h.timestamps
-                parts_t = [ts[:1].expand(n_ctx)] if n_ctx else []
-                parts_t.append(ts[b0:])
+                if n_ctx:
+                    times.append(ts[:1].expand(n_ctx))
+                times.append(ts[b0:])
                 if C:
-                    parts_t.append(ts.new_full((C,), t_c))
-                times.append(torch.cat(parts_t) if len(parts_t) > 1 else parts_t[0])
-            p = torch.arange(start, T + C, device=dev)
-            pos.append(p.clamp_(max=T) if C > 1 else p)
-            ctx.append(n_ctx)
+                    times.append(ts.new_full((C,), t_c))
             starts.append(start)
-            rows.append(n_hist + C)
+            rows.append(T - start + C)
             ncand.append(C)
-        R = sum(rows)
-        flags = torch.zeros(R, dtype=torch.bool, device=dev)
-        is_candidate, is_context = flags, flags.clone()
-        r = 0
-        for n, C, k in zip(rows, ncand, ctx):
-            if C:
-                is_candidate[r + n - C:r + n] = True
-            if k:
-                is_context[r:r + k] = True
-            r += n
-        cu = [0]
-        for n in rows:
-            cu.append(cu[-1] + n)
-        cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))
-        return cls(item_ids=cat(items), action_ids=cat(actions) if acted else None,
-                   timestamps=cat(times) if timed else None, positions=cat(pos), is_candidate=is_candidate,
-                   is_context=is_context, cu_seqlens=to_device(cu, np.int32, dev),
-                   num_candidates=to_device(ncand, np.int32, dev), start=tuple(starts), rows=tuple(rows),
-                   candidates_per_user=tuple(ncand))
+            nctx.append(n_ctx)
+            tokens.append(T)
+        return cls(item_ids=_cat(items), action_ids=_cat(actions) if acted else None,
+                   timestamps=_cat(times) if timed else None, **_structure(starts, rows, ncand, nctx, tokens, dev))
+
+    def __post_init__(self) -> None:
+        if self.candidate_rows is None:  # built field by field: derive the row tables from the host layout
+            n_ctx = [int(x) for x in torch.segment_reduce(self.is_context.long().cpu(), "sum",
+                                                          lengths=torch.tensor(self.rows))] if self.rows else []
+            tables = _structure(self.start, self.rows, self.candidates_per_user, n_ctx, None, self.device)
+            for name in ("is_behavior", "segment_ids", "candidate_rows", "has_prefix"):
+                object.__setattr__(self, name, tables[name])
 
     # ------------------------------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -275,17 +313,3 @@ class RelayBatch:
     @cached_property
     def num_candidate_rows(self) -> int:
         return sum(self.candidates_per_user)
-
-    @cached_property
-    def candidate_rows(self) -> torch.Tensor:
-        """Row indices of the candidates, in batch order: LongTensor [number of candidate rows]."""
-        idx, r = [], 0
-        for n, C in zip(self.rows, self.candidates_per_user):
-            idx.extend(range(r + n - C, r + n))
-            r += n
-        return to_device(idx, np.int64, self.device)
-
-    @cached_property
-    def is_behavior(self) -> torch.Tensor:
-        """BoolTensor [R]: behavior rows (neither contextual tokens nor candidates)."""
-        return ~(self.is_candidate | self.is_context)

@@ -11,8 +11,7 @@ a relay forward the pages, through the context set around the call (as vLLM's an
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -95,38 +94,70 @@ class PagedState:
 
 @dataclass(eq=False)
 class ForwardContext:
-    """The batch a forward runs on, and its pages in a relay forward (``paged`` None: dense attention)."""
+    """The batch a forward runs on, and its pages in a relay forward (``paged`` None: dense attention).
+
+    A compiled model reads ``relay`` (a bool: which graph runs), ``batch`` in a dense forward (the model's own
+    argument) and ``layer_index``/``kv_caches`` in a relay forward (which page tensors a layer's op writes); the
+    rest (page tables, plans) is read by the op's implementation only, never traced.
+    """
 
     batch: RelayBatch
     paged: Optional[PagedState] = None
     layer_index: dict = field(default_factory=dict)  # id(PrefixAttention) -> its layer index (relay forwards)
-    dense_cache: dict = field(default_factory=dict)  # per-user masks and bias indices, shared by the layers
+    dense_cache: dict = field(default_factory=dict)  # the batch's masks and bias indices, shared by the layers
+    layers: Sequence[nn.Module] = ()  # relay forwards: the model's attention layers, in layer-index order
+    kv_caches: tuple = ()  # relay forwards: each layer's page tensor (what its op writes)
+
+    @property
+    def relay(self) -> bool:
+        return self.paged is not None
 
 
-_CONTEXT: contextvars.ContextVar[Optional[ForwardContext]] = contextvars.ContextVar("relaygr_forward_context",
-                                                                                  default=None)
+class _Frames(threading.local):
+    """The forward contexts of this thread, innermost last.
+
+    A thread-local list rather than a ``ContextVar``: TorchDynamo traces reads and appends of it, so a model
+    compiled with ``fullgraph=True`` enters :func:`batch_context` and its layers find their context without a
+    graph break.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_FRAMES = _Frames()
 
 
 def current_context() -> Optional[ForwardContext]:
-    """The context of the forward running now, or None outside any."""
-    return _CONTEXT.get()
+    """The context of the forward running now in this thread, or None outside any."""
+    stack = _FRAMES.stack
+    return stack[-1] if stack else None
 
 
-@contextlib.contextmanager
-def _set(ctx: ForwardContext):
-    token = _CONTEXT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CONTEXT.reset(token)
+class _Entered:
+    """Pushes ``ctx`` on this thread's context stack for a ``with`` block (a class: TorchDynamo inlines it)."""
+
+    def __init__(self, ctx: Optional[ForwardContext]) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> Optional[ForwardContext]:
+        if self.ctx is not None:
+            _FRAMES.stack.append(self.ctx)
+            return self.ctx
+        return current_context()
+
+    def __exit__(self, *exc) -> bool:
+        if self.ctx is not None:
+            _FRAMES.stack.pop()
+        return False
 
 
-@contextlib.contextmanager
-def batch_context(batch: RelayBatch):
+def batch_context(batch: RelayBatch) -> _Entered:
     """Run the attention layers called inside over ``batch`` with dense masked attention (no cache).
 
     A no-op when a forward over this same batch is already running (e.g. the engine's relay forward), so a model
-    may enter it in its own ``forward``.
+    may enter it in its own ``forward``. Use as ``with batch_context(batch): ...``; a model compiled with
+    ``torch.compile(fullgraph=True)`` may enter it.
 
     Parameters
     ----------
@@ -135,22 +166,19 @@ def batch_context(batch: RelayBatch):
     """
     if not isinstance(batch, RelayBatch):
         raise ValueError(f"batch must be a RelayBatch, got {type(batch).__name__}")
-    ctx = _CONTEXT.get()
+    ctx = current_context()
     if ctx is not None and ctx.batch is batch:
-        yield ctx
-        return
-    if any(batch.start):
+        return _Entered(None)
+    if batch.has_prefix:
         raise ValueError(f"batch must start every user at position 0 for dense attention (no cache), got starts "
                          f"{list(batch.start)}")
-    with _set(ForwardContext(batch)) as c:
-        yield c
+    return _Entered(ForwardContext(batch))
 
 
-@contextlib.contextmanager
-def paged_context(batch: RelayBatch, paged: PagedState, layers: Sequence[nn.Module]):
+def paged_context(batch: RelayBatch, paged: PagedState, layers: Sequence[nn.Module]) -> _Entered:
     """Run a relay forward of ``batch`` over ``paged``; ``layers`` are the model's attention layers in order."""
-    with _set(ForwardContext(batch, paged, {id(m): i for i, m in enumerate(layers)})) as c:
-        yield c
+    return _Entered(ForwardContext(batch, paged, {id(m): i for i, m in enumerate(layers)}, layers=tuple(layers),
+                                   kv_caches=tuple(paged.kv_caches)))
 
 
 def find_layers(model: nn.Module) -> list:

@@ -3,11 +3,15 @@
 A user's model computes ``q, k, v`` as it always did and calls ``o = self.attn(q, k, v, pos_bias=..., ts_bias=...)``.
 What runs depends on the forward context (:mod:`relaygr_engine.context`):
 
-* in a relay forward (set by :class:`~relaygr_engine.RelayEngine`), the layer stores the new history rows' K/V in
-  their pages and runs :func:`~relaygr_engine.ops.paged_prefix_attention` over each user's cached prefix, with the
-  batch's plan built once for all layers;
+* in a relay forward (set by :class:`~relaygr_engine.RelayEngine`), the layer calls one registered op,
+  ``relaygr::prefix_attention`` (:mod:`relaygr_engine.relay_op`), which stores the new history rows' K/V in their
+  pages and attends over each user's cached prefix with the batch's plan (built once for all layers); a compiler
+  sees the op as opaque;
 * under :func:`~relaygr_engine.context.batch_context` (training, the oracle, tests), it runs dense masked attention
-  over the batch with the same masks and formulas.
+  over the whole batch with the same masks and formulas, in plain tensor ops on the batch's row tables.
+
+Both paths compile with ``torch.compile(model, fullgraph=True, dynamic=True)``: no graph break, no recompile per
+length.
 
 Masks (per user): a history row sees the history rows up to itself (causal); a candidate sees every history row
 and itself, never another candidate. Formulas: see :mod:`relaygr_engine.ops`.
@@ -20,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AttentionBackend, TimeBucket, _positive_int, parse_choice
+from .config import TimeBucket, _positive_int, parse_choice
 from .context import ForwardContext, current_context
 from .kernels._common import check_scalar
-from .ops import AttentionMode, _check_args, _dispatch, time_buckets
-from .torch_plan import planned_attention
+from .ops import AttentionMode, time_buckets
+from .relay_op import relay_attention
 
 __all__ = ["PrefixAttention"]
 
@@ -51,6 +55,9 @@ class PrefixAttention(nn.Module):
     time_bucket : {"log2", "ln_0301", "sqrt_60"}
         hstu: how ``ts_bias`` buckets a time difference (:class:`~relaygr_engine.config.TimeBucket`; default
         ``"log2"``).
+    bias_needs_time : bool
+        hstu: drop ``pos_bias`` too for a batch without timestamps (no relative bias at all, as Meta's research
+        HSTU does); default False (``ts_bias`` alone is dropped).
 
     Notes
     -----
@@ -68,7 +75,7 @@ class PrefixAttention(nn.Module):
     """
 
     def __init__(self, mode, num_heads: int, head_dim: int, *, scale: float, hstu_norm: Optional[float] = None,
-                 value_dim: Optional[int] = None, time_bucket=TimeBucket.LOG2) -> None:
+                 value_dim: Optional[int] = None, time_bucket=TimeBucket.LOG2, bias_needs_time: bool = False) -> None:
         super().__init__()
         self.mode = parse_choice(AttentionMode, mode, "mode")
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -82,6 +89,9 @@ class PrefixAttention(nn.Module):
         else:
             self.hstu_norm = 1.0 if hstu_norm is None else check_scalar("hstu_norm", hstu_norm, positive=True)
         self.time_bucket = parse_choice(TimeBucket, time_bucket, "time_bucket")
+        if not isinstance(bias_needs_time, bool):
+            raise ValueError(f"bias_needs_time must be a bool, got {bias_needs_time!r}")
+        self.bias_needs_time = bias_needs_time
         if self.mode is AttentionMode.SOFTMAX and self.time_bucket is not TimeBucket.LOG2:
             raise ValueError(f"time_bucket applies to mode='hstu' only, got time_bucket={self.time_bucket.value!r} "
                              "with mode='softmax'")
@@ -112,12 +122,15 @@ class PrefixAttention(nn.Module):
             raise RuntimeError("PrefixAttention needs the batch it runs on: call the model inside "
                                "`with relaygr_engine.batch_context(batch):` (dense, no cache) or through a "
                                "RelayEngine (relay forward)")
-        self._check(q, k, v, pos_bias, ts_bias, len(ctx.batch))
-        if ctx.batch.timestamps is None:
+        if ctx.relay:
+            return self._relay(ctx, q, k, v, pos_bias, ts_bias)
+        batch = ctx.batch
+        self._check(q, k, v, pos_bias, ts_bias, batch.item_ids.shape[0])
+        if batch.timestamps is None:
             ts_bias = None
-        if ctx.paged is None:
-            return self._dense(ctx, q, k, v, pos_bias, ts_bias)
-        return self._paged(ctx, q, k, v, pos_bias, ts_bias)
+            if self.bias_needs_time:
+                pos_bias = None
+        return self._dense(ctx, q, k, v, pos_bias, ts_bias)
 
     # ------------------------------------------------------------------------------------------ checks
     def _check(self, q, k, v, pos_bias, ts_bias, rows: int) -> None:
@@ -131,77 +144,39 @@ class PrefixAttention(nn.Module):
             raise ValueError("pos_bias and ts_bias apply to mode='hstu' only; got a bias with mode='softmax'")
 
     # ------------------------------------------------------------------------------------------ relay forward
-    def _paged(self, ctx: ForwardContext, q, k, v, pos_bias, ts_bias) -> torch.Tensor:
-        st, batch = ctx.paged, ctx.batch
-        if not self.prefix_stable:
-            raise ValueError("hstu_norm='batch' is not prefix-stable: this layer runs the dense forward only "
-                             "(a relay forward divides by a constant normaliser)")
+    def _relay(self, ctx: ForwardContext, q, k, v, pos_bias, ts_bias) -> torch.Tensor:
+        """The paged path: one ``relaygr::prefix_attention`` op (eager calls run its implementation directly)."""
         index = ctx.layer_index.get(id(self))
         if index is None:
             raise RuntimeError("this PrefixAttention is not one of the engine's layers (it was added to the model "
                                "after the RelayEngine was built); build a new engine for the changed model")
-        cache = st.kv_caches[index]
-        out_dtype, Dc = q.dtype, cache.shape[-1]
-        if Dc != self.head_dim:  # zero columns change no dot product
-            q, k = F.pad(q, (0, Dc - self.head_dim)), F.pad(k, (0, Dc - self.head_dim))
-        if Dc != self.value_dim:
-            v = F.pad(v, (0, Dc - self.value_dim))
-        if q.dtype != cache.dtype:
-            q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
-        if st.write_rows is not None:
-            self._write(st, index, k, v, len(batch))
-        ts_q = batch.timestamps if ts_bias is not None else None
-        ts_cache = st.ts_cache if ts_bias is not None else None
-        args = (q, k, v, cache, st.kv_indptr, st.kv_indices, st.kv_last_page_len, batch.cu_seqlens,
-                batch.num_candidates, self.mode, self.scale, self.hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
-        if not st.validated:  # the first layer checks; a plan (when set) was built from checked tables already
-            _check_args(*args, read_tables=st.plan is None and st.torch_plan is None, time_bucket=self.time_bucket)
-            st.validated = True
-        if st.torch_plan is not None and q.dtype in (torch.float32, torch.float64):
-            o = planned_attention(st.torch_plan, q, k, v, st.flat(index), self.mode, self.scale, self.hstu_norm,
-                                  pos_bias, ts_bias, self.time_bucket, compiled=st.compiled)
-        else:
-            o = _dispatch(*args, st.backend, plan=st.plan, time_bucket=self.time_bucket)
-        if Dc != self.value_dim:
-            o = o[..., :self.value_dim]
-        return o if o.dtype == out_dtype else o.to(out_dtype)
-
-    @staticmethod
-    def _write(st, index: int, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
-        """Store the K/V of the batch rows the engine is keeping in layer ``index``'s pages."""
-        cache = st.kv_caches[index]
-        if st.backend is AttentionBackend.TRITON:
-            from .kernels.kv_write import kv_write
-            kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, cache.shape[2]), check_slots=False)
-            return
-        flat, dst = st.flat(index), st.write_kv_rows
-        flat.index_copy_(0, dst, k.index_select(0, st.write_rows))
-        flat.index_copy_(0, dst + cache.shape[2], v.index_select(0, st.write_rows))
+        cache = ctx.kv_caches[index]
+        if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+            return torch.ops.relaygr.prefix_attention(q, k, v, cache, pos_bias, ts_bias, index)
+        return relay_attention(q, k, v, cache, pos_bias, ts_bias, index)
 
     # ------------------------------------------------------------------------------------------ dense forward
     def _dense(self, ctx: ForwardContext, q, k, v, pos_bias, ts_bias) -> torch.Tensor:
+        """Dense masked attention over the whole batch (the oracle's formulas; a row sees only its own user's
+        rows), in tensor ops on the batch's row tables: traceable, no per-user loop."""
         batch = ctx.batch
-        out = q.new_empty(q.shape[:2] + (self.value_dim,))
-        r0 = 0
-        for b, (m, C) in enumerate(zip(batch.rows, batch.candidates_per_user)):
-            r1 = r0 + m
-            out[r0:r1] = self._dense_user(ctx, b, r0, r1, C, q[r0:r1], k[r0:r1], v[r0:r1], pos_bias, ts_bias)
-            r0 = r1
-        return out
-
-    def _dense_user(self, ctx, b, r0, r1, C, q, k, v, pos_bias, ts_bias) -> torch.Tensor:
-        """Dense masked attention over one user's rows ``[m, H, *]`` (the oracle's formulas)."""
-        visible = _visible(ctx, b, r1 - r0, C, q.device)
+        hidden = _cached(ctx, ("hidden",), lambda: ~_visible(batch))
         s = torch.einsum("ihd,jhd->hij", q, k).mul_(self.scale)
         if self.mode is AttentionMode.SOFTMAX:
-            return torch.einsum("hij,jhd->ihd", torch.softmax(s.masked_fill_(~visible, float("-inf")), dim=-1), v)
+            return torch.einsum("hij,jhd->ihd", torch.softmax(s.masked_fill_(hidden, float("-inf")), dim=-1), v)
         if pos_bias is not None:
-            s.add_(pos_bias[_distance(ctx, b, r0, r1, pos_bias.numel())])
+            n = pos_bias.shape[0]
+            s.add_(pos_bias[_cached(ctx, ("distance", n), lambda: _distance(batch.positions, n))])
         if ts_bias is not None:
-            s.add_(ts_bias[_buckets(ctx, b, r0, r1, ts_bias.numel(), self.time_bucket)])
-        a = F.silu(s, inplace=True).masked_fill_(~visible, 0.0)
-        norm = self.hstu_norm if self.hstu_norm is not None else float(max(ctx.batch.rows))
-        return torch.einsum("hij,jhd->ihd", a, v).div_(norm)
+            n, fn = ts_bias.shape[0], self.time_bucket
+            pos = batch.timestamps
+            s.add_(ts_bias[_cached(ctx, ("buckets", n, fn), lambda: time_buckets(pos[:, None] - pos[None, :], n, fn))])
+        a = F.silu(s, inplace=True).masked_fill_(hidden, 0.0)
+        o = torch.einsum("hij,jhd->ihd", a, v)
+        if self.hstu_norm is not None:
+            return o.div_(self.hstu_norm)
+        cu = batch.cu_seqlens
+        return o.div_((cu[1:] - cu[:-1]).max().to(o.dtype))  # "batch": the longest user
 
 
 def _cached(ctx: ForwardContext, key, make):
@@ -211,27 +186,15 @@ def _cached(ctx: ForwardContext, key, make):
     return value
 
 
-def _visible(ctx, b: int, m: int, C: int, device) -> torch.Tensor:
-    """``[m, m]``: history rows see history rows up to themselves; candidates see the history and themselves."""
-    def make():
-        n = m - C
-        idx = torch.arange(m, device=device)
-        vis = (idx[None, :] < n) & ((idx[None, :] <= idx[:, None]) | (idx[:, None] >= n))
-        return vis.fill_diagonal_(True)
-    return _cached(ctx, ("visible", b), make)
+def _visible(batch) -> torch.Tensor:
+    """``[R, R]``: a row sees rows of its own user only; history rows see history rows up to themselves (causal),
+    candidates see the history and themselves."""
+    seg, cand = batch.segment_ids, batch.is_candidate
+    idx = torch.arange(seg.shape[0], device=seg.device)
+    causal = (idx[None, :] <= idx[:, None]) | cand[:, None]
+    return (seg[:, None] == seg[None, :]) & ((causal & ~cand[None, :]) | (idx[:, None] == idx[None, :]))
 
 
-def _distance(ctx, b: int, r0: int, r1: int, size: int) -> torch.Tensor:
-    """``[m, m]`` position distances ``pos_i - pos_j`` clamped to ``[0, size - 1]``."""
-    def make():
-        pos = ctx.batch.positions[r0:r1]
-        return (pos[:, None] - pos[None, :]).clamp_(0, size - 1)
-    return _cached(ctx, ("distance", b, size), make)
-
-
-def _buckets(ctx, b: int, r0: int, r1: int, num_buckets: int, time_bucket: TimeBucket) -> torch.Tensor:
-    """``[m, m]`` time buckets of ``t_i - t_j``."""
-    def make():
-        ts = ctx.batch.timestamps[r0:r1]
-        return time_buckets(ts[:, None] - ts[None, :], num_buckets, time_bucket)
-    return _cached(ctx, ("buckets", b, num_buckets, time_bucket), make)
+def _distance(positions: torch.Tensor, size: int) -> torch.Tensor:
+    """``[R, R]`` position distances ``pos_i - pos_j`` clamped to ``[0, size - 1]``."""
+    return (positions[:, None] - positions[None, :]).clamp_(0, size - 1)

@@ -95,6 +95,13 @@ def _bounds(fn: TimeBucket, num_buckets: int) -> tuple[int, ...]:
     return tuple(torch.where(never, torch.full_like(hi, _INT64_MAX), hi).tolist())
 
 
+@torch.compiler.assume_constant_result
+def _bounds_constant(fn: TimeBucket, num_buckets: int) -> tuple[int, ...]:
+    """:func:`_bounds`, which a compiler calls while tracing and keeps as a constant (it depends on its arguments
+    only)."""
+    return _bounds(fn, num_buckets)
+
+
 @functools.lru_cache(maxsize=64)
 def _bounds_on(fn: TimeBucket, num_buckets: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(_bounds(fn, num_buckets), dtype=torch.long, device=device)
@@ -140,8 +147,11 @@ def time_buckets(delta: torch.Tensor, num_buckets: int, time_bucket=TimeBucket.L
         raise ValueError(f"delta must be int64, got {delta.dtype}")
     if num_buckets == 1:
         return torch.zeros_like(delta)
-    return torch.bucketize(delta.abs() if fn.absolute else delta, _bounds_on(fn, num_buckets, delta.device),
-                           right=True)
+    if torch.compiler.is_compiling():  # a constant of the graph
+        bounds = torch.tensor(_bounds_constant(fn, num_buckets), dtype=torch.long, device=delta.device)
+    else:
+        bounds = _bounds_on(fn, num_buckets, delta.device)
+    return torch.bucketize(delta.abs() if fn.absolute else delta, bounds, right=True)
 
 
 # ---------------------------------------------------------------------------------------------------- reference

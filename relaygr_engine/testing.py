@@ -127,7 +127,8 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
     ----------
     model : nn.Module
         A ranker built on :class:`~relaygr_engine.PrefixAttention` (see :class:`~relaygr_engine.RelayEngine`), in
-        eval mode, on the device it will serve on.
+        eval mode, on the device it will serve on; or such a ranker compiled with ``torch.compile`` (served
+        compiled, checked against the eager model's no-cache forward).
     histories : sequence of Behaviors
         One per request; each needs at least 3 history tokens (a prefix, newer tokens, and more).
     candidates : LongTensor [C] or sequence of them
@@ -179,13 +180,15 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
                           dram_bytes=(1 << 30) if dram else 0)
         return RelayEngine(model, cfg, extend_on_rank=True)
 
-    tap = _LayerTap(model)
+    eager = getattr(model, "_orig_mod", model)  # a torch.compile'd model is checked against its eager forward
+    tap = _LayerTap(eager) if eager is model else None  # hooks would enter a compiled graph: name no layer there
     report: dict[str, float] = {}
     try:
         want, dense_runs = [], []
         for h, c, t in zip(histories, cands, times):
-            want.append(no_cache_scores(model, h, c, t))
-            dense_runs.append(tap.runs[-1])
+            want.append(no_cache_scores(eager, h, c, t))
+            if tap is not None:
+                dense_runs.append(tap.runs[-1])
 
         def check(path: str, i: int, result, expect_source: Optional[str]) -> None:
             diff = float((result.scores.float() - want[i].float()).abs().max())
@@ -194,8 +197,9 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
                 raise RelayMismatch(f"path {path!r}, request {i}: expected the engine to serve from "
                                     f"{expect_source!r}, got {result.source!r}")
             if diff > atol:
-                b = _user_in(tap.runs[-1][0], i, path)
-                layer = _first_layer(tap, tap.runs[-1], b, dense_runs[i], atol)
+                layer = "not named for a compiled model (check the eager model to name it)"
+                if tap is not None:
+                    layer = _first_layer(tap, tap.runs[-1], _user_in(tap.runs[-1][0], i, path), dense_runs[i], atol)
                 raise RelayMismatch(f"relay path {path!r} differs from the no-cache forward for request {i}: max "
                                     f"abs difference {diff:.3g} > atol {atol:g}; first differing layer: {layer}")
 
@@ -236,7 +240,8 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
                     e.pool.free(i, fp)
                 check("dram", i, e.rank_with_prefix(i, h, cands[i], request_time=times[i]), "dram")
     finally:
-        tap.close()
+        if tap is not None:
+            tap.close()
     return report
 
 

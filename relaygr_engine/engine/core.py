@@ -16,6 +16,7 @@ from ..identity import WeightsIdentity
 from ..ops import _resolve_backend
 from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
+from .compiled import eager_module
 from .forward import ForwardRunner
 from .index import PrefixIndex
 from .prefill import PrefillPlanner
@@ -69,7 +70,7 @@ class RelayEngine:
     model : nn.Module
         A ranker holding :class:`~relaygr_engine.layer.PrefixAttention` layers, called as
         ``model(batch) -> scores [number of candidate rows, num_tasks]`` (see :mod:`relaygr_engine.engine`), on the
-        cache's device. A model with a ``check_inputs(history, candidates, request_time)`` method (like
+        cache's device; or such a ranker compiled with ``torch.compile`` (served compiled, see ``compile_model``). A model with a ``check_inputs(history, candidates, request_time)`` method (like
         :class:`~relaygr_engine.models.GRRanker`) has it called on every request before any state changes.
         A model whose outputs are not prefix-stable is refused with ``ValueError``: a layer with
         ``hstu_norm="batch"``, or a model listing features in a ``prefix_unstable_features`` attribute (e.g.
@@ -93,6 +94,12 @@ class RelayEngine:
         :func:`relaygr_engine.torch_plan.compiled_core`). Default False. The first calls of each kind (dtype,
         mode, single or batched) compile, about a minute on a CPU; ``relaygr bench overhead --compile`` measures
         what it gains on a machine.
+    compile_model : bool
+        Compile the whole model: ``torch.compile(model, fullgraph=True, dynamic=True)``, each layer's attention one
+        opaque op (:mod:`relaygr_engine.relay_op`), so the model's projections, norms and gates fuse around it.
+        Default False. The first forwards of each kind (prefill, ranking, batch) compile (seconds to a minute on
+        a CPU). A model that cannot be compiled is served eagerly from then on (logged once; ``stats()`` counts
+        ``compile_failures`` and ``compile_eager``); the same holds for a model given compiled.
     cuda_graphs : bool or GraphConfig
         Serve ranking forwards through CUDA graphs over padded shape buckets (:mod:`relaygr_engine.engine.graphs`):
         each bucket's first ranking runs eagerly and is captured, later ones replay it in one launch. True means
@@ -104,8 +111,8 @@ class RelayEngine:
     def __init__(self, model: nn.Module, cache_config: Optional[CacheConfig] = None, trigger=None, *,
                  extend_on_rank: bool = True, store_misses: bool = False,
                  model_version: Optional[str] = None, compile_attention: bool = False,
-                 cuda_graphs: Union[bool, GraphConfig] = False) -> None:
-        layers = find_layers(model)
+                 compile_model: bool = False, cuda_graphs: Union[bool, GraphConfig] = False) -> None:
+        layers = find_layers(eager_module(model))
         if not layers:
             raise ValueError(f"model must hold at least one relaygr_engine.PrefixAttention layer (where its "
                              f"attention call was), got a {type(model).__name__} without one")
@@ -120,10 +127,12 @@ class RelayEngine:
                              f"{type(trigger).__name__}")
         if not isinstance(compile_attention, bool):
             raise ValueError(f"compile_attention must be a bool, got {compile_attention!r}")
+        if not isinstance(compile_model, bool):
+            raise ValueError(f"compile_model must be a bool, got {compile_model!r}")
         graphs = _graph_config(cuda_graphs, cache_config)
         if model_version is not None and not (isinstance(model_version, str) and model_version):
             raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
-        _check_prefix_stable(model, layers)
+        _check_prefix_stable(eager_module(model), layers)
         H, D = _cache_shape(layers)
         self.model = model
         self.layers = layers
@@ -139,7 +148,8 @@ class RelayEngine:
         self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
         self.prefill = PrefillPlanner(self.state, self.index, trigger)
         self.ranking = RankPlanner(self.state, self.index)
-        self.runner = ForwardRunner(model, layers, self.state, compile_attention=compile_attention, graphs=graphs)
+        self.runner = ForwardRunner(model, layers, self.state, compile_attention=compile_attention,
+                                    compile_model=compile_model, graphs=graphs)
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
 from ..torch_plan import build_torch_plan
 from ..ops import _resolve_backend, plan_paged_attention
+from .compiled import ModelCaller
 from .graphs import GraphRunner
 from .layout import check_scores, page_layout, split_scores
 from .records import Job
@@ -34,16 +35,22 @@ class ForwardRunner:
     state : CacheState
     compile_attention : bool
         Run the torch backend's planned attention compiled (``PagedState.compiled``).
+    compile_model : bool
+        Compile the whole model (:class:`~relaygr_engine.engine.compiled.ModelCaller`); a model given compiled
+        is served compiled either way.
     graphs : GraphConfig, optional
-        Serve ranking forwards through CUDA graphs (:mod:`relaygr_engine.engine.graphs`).
+        Serve ranking forwards through CUDA graphs (:mod:`relaygr_engine.engine.graphs`), over the compiled model
+        when there is one.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], state: CacheState, *,
-                 compile_attention: bool = False, graphs: Optional[GraphConfig] = None) -> None:
-        self.model, self.layers, self.state = model, list(layers), state
+                 compile_attention: bool = False, compile_model: bool = False,
+                 graphs: Optional[GraphConfig] = None) -> None:
+        self.layers, self.state = list(layers), state
+        self.model = ModelCaller(model, compile_model, state.counters)
         self.compile_attention = compile_attention
         self.timer = LazyTimer(state.cache.device)
-        self.graphs = None if graphs is None else GraphRunner(model, layers, state, graphs)
+        self.graphs = None if graphs is None else GraphRunner(self.model, layers, state, graphs)
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to

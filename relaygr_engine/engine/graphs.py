@@ -91,7 +91,8 @@ class _HostLayout(tuple):
 
 _HIDDEN = _HostLayout()
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
-_ROW_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context")
+_ROW_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "is_behavior",
+               "segment_ids")
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ class _Bucket:
     arena: Arena
     names: list
     block_m: int
-    num_tiles: int
+    num_tiles: tuple  # (history tiles, candidate tiles) of the fixed grid
     graph: Optional[object] = None
     out: Optional[torch.Tensor] = None
 
@@ -184,13 +185,16 @@ class GraphRunner:
         cache = self.state.cache
         R, S = key.history_rows + key.candidates, key.users + 1
         block_m = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1]).block_m
-        num_tiles = R // block_m + S                       # sum over segments of ceil(rows / block_m), at most
+        # Per kind, the sum over segments of ceil(rows / block_m), at most.
+        num_tiles = (key.history_rows // block_m + S, key.candidates // block_m + S)
         pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
         i32, i64 = torch.int32, torch.long
         specs = {"item_ids": (i64, (R,)), "positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)),
-                 "is_context": (torch.bool, (R,)), "cu_seqlens": (i32, (S + 1,)), "num_candidates": (i32, (S,)),
+                 "is_context": (torch.bool, (R,)), "is_behavior": (torch.bool, (R,)), "segment_ids": (i64, (R,)),
+                 "cu_seqlens": (i32, (S + 1,)), "num_candidates": (i32, (S,)),
                  "kv_indptr": (i32, (S + 1,)), "kv_indices": (i32, (pages,)), "kv_last": (i32, (S,)),
-                 "tiles": (i32, (2, num_tiles)), "slots": (i64, (R,)), "candidate_rows": (i64, (key.candidates,))}
+                 "hist_tiles": (i32, (2, num_tiles[0])), "cand_tiles": (i32, (2, num_tiles[1])),
+                 "slots": (i64, (R,)), "candidate_rows": (i64, (key.candidates,))}
         if key.acted:
             specs["action_ids"] = (i64, (R,))
         if key.timed:
@@ -223,7 +227,7 @@ class GraphRunner:
                 "kv_last": np.concatenate([lay.last, np.zeros(empty + 1, dtype=np.int32)]), "slots": slots,
                 "candidate_rows": np.concatenate([*cand_rows, np.arange(R + pad_hist, R_pad)])}
         values = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=_NUMPY[b.view(n).dtype])) for n, a in host.items()}
-        values["tiles"] = tile_table(seg_rows, b.block_m, b.num_tiles)
+        values["hist_tiles"], values["cand_tiles"] = tile_table(seg_rows, seg_cand, b.block_m, b.num_tiles)
         if "ts_rows" in b.names:
             written = np.flatnonzero(slots >= 0)
             fill = np.resize(written, R_pad)                # repeats of real writes: the same values again
@@ -233,11 +237,15 @@ class GraphRunner:
             t = getattr(batch, name)
             if t is None:
                 continue
-            if name == "is_candidate":
+            if name in ("is_candidate", "is_behavior"):  # the padding user: history rows, then candidates
                 extra = t.new_zeros(pad)
                 extra[pad_hist:] = True
+                if name == "is_behavior":
+                    extra = ~extra
             elif name == "is_context":
                 extra = t.new_zeros(pad)
+            elif name == "segment_ids":
+                extra = t.new_full((pad,), key.users)
             else:
                 extra = t[-1:].expand(pad)
             values[name] = torch.cat([t, extra]) if pad else t
@@ -250,15 +258,16 @@ class GraphRunner:
         v, cache, key = b.view, self.state.cache, b.key
         batch = RelayBatch(item_ids=v("item_ids"), action_ids=v("action_ids"), timestamps=v("timestamps"),
                            positions=v("positions"), is_candidate=v("is_candidate"), is_context=v("is_context"),
-                           cu_seqlens=v("cu_seqlens"), num_candidates=v("num_candidates"), start=_HIDDEN,
-                           rows=_HIDDEN, candidates_per_user=_HIDDEN)
-        batch.__dict__["candidate_rows"] = v("candidate_rows")
+                           is_behavior=v("is_behavior"), segment_ids=v("segment_ids"),
+                           candidate_rows=v("candidate_rows"), cu_seqlens=v("cu_seqlens"),
+                           num_candidates=v("num_candidates"), start=_HIDDEN, rows=_HIDDEN,
+                           candidates_per_user=_HIDDEN, has_prefix=True)
         batch.__dict__["num_candidate_rows"] = key.candidates
         from ..kernels.prefix_attention import PrefixAttentionPlan
 
         R, S = len(batch), key.users + 1
-        plan = PrefixAttentionPlan(b.block_m, S, R, self.state.page_size, cache.kv[0].shape[0], v("tiles")[0],
-                                   v("tiles")[1], key.prefix + R, key.prefix, key.prefix)
+        plan = PrefixAttentionPlan(b.block_m, S, R, self.state.page_size, cache.kv[0].shape[0], v("hist_tiles"),
+                                   v("cand_tiles"), key.prefix + R, key.prefix, key.prefix)
         paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
                            cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
                            plan=plan)

@@ -136,6 +136,8 @@ class EngineCounters:
     graph_eager: int = 0
     graph_evictions: int = 0
     graph_failures: int = 0
+    compile_failures: int = 0
+    compile_eager: int = 0
     exports: int = 0
     export_bytes: int = 0
     imports: int = 0

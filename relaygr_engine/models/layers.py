@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..context import current_context
 from ..layer import PrefixAttention
 from .config import GRModelConfig, HSTUActivation, HSTUOutput, HSTUOutputNorm
 
@@ -46,15 +45,12 @@ class HSTULayer(nn.Module):
                             else nn.LayerNorm(H * Dv, eps=config.norm_eps))
         self.out_proj = nn.Linear(H * Dv * (3 if self.concat else 1), config.hidden_dim)
         self.attn = PrefixAttention("hstu", H, D, scale=self.alpha, hstu_norm=self.norm, value_dim=Dv,
-                                    time_bucket=config.time_bucket)
+                                    time_bucket=config.time_bucket, bias_needs_time=not config.rab_without_time)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rows ``x [R, hidden]`` of the running forward's batch -> ``[R, hidden]``."""
         q, k, v, u = self.project(x)
-        pos = self.rel_pos_bias
-        if not self.rab_without_time and current_context().batch.timestamps is None:
-            pos = None
-        return self.finish(x, self.attn(q, k, v, pos_bias=pos, ts_bias=self.time_bias), u)
+        return self.finish(x, self.attn(q, k, v, pos_bias=self.rel_pos_bias, ts_bias=self.time_bias), u)
 
     def project(self, x: torch.Tensor):
         """Rows ``x [T, hidden]`` -> ``q, k [T, H, D]``, ``v [T, H, Dv]`` and ``u [T, H*Dv]`` after its activation

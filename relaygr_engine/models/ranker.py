@@ -160,8 +160,7 @@ class GRRanker(nn.Module):
             e = self.item_emb(ids)
         if batch.action_ids is not None:
             e = e + self.action_emb(batch.action_ids) * batch.is_behavior[:, None]
-        if batch.num_candidate_rows:
-            e = e + self.candidate_emb * batch.is_candidate[:, None]
+        e = e + self.candidate_emb * batch.is_candidate[:, None]
         return e + self.pos_emb(batch.positions)
 
     def embed_rows(self, history: Behaviors, start: int, candidates: Optional[torch.Tensor] = None) -> torch.Tensor:
