@@ -12,12 +12,19 @@ Local mode listens on loopback only: Ray's node IP is 127.0.0.1 (``RAY_ENABLE_WI
 before Ray is imported, so that Ray does not replace 127.0.0.1 by the machine's address; then its GCS, raylet, agents
 and workers bind 127.0.0.1), no dashboard, and Serve's HTTP proxy on ``--host`` (127.0.0.1). Serving other machines
 is explicit: ``--address`` joins a cluster started with ``ray start``, ``--host 0.0.0.0`` opens the HTTP port.
+
+A ``--port`` (or ``--metrics-port``) that cannot be listened on is a usage error before a local Ray starts; if the
+port is taken between that check and Serve's proxy binding it, the proxy's failure ends as the same one-line error
+(exit status 2) after Ray has shut down.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,6 +36,18 @@ from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentPar
 _DEVICES = ("cpu", "cuda")
 _LOCAL_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray keeps 127.0.0.1 as its node IP
 _LOOPBACK = "127.0.0.1"
+_BIND_FAILURE = re.compile(r"Failed to bind to address '([^']*)'")  # Serve's proxy (ray.serve._private.http_util)
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,10 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
     c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per replica (1)")
     c.add_argument("--host", default="127.0.0.1", help="HTTP host of Serve's proxy (127.0.0.1)")
-    c.add_argument("--port", type=int, default=8000, help="HTTP port (8000)")
+    c.add_argument("--port", type=_port, default=8000, help="HTTP port (8000)")
     c.add_argument("--route-prefix", default="/", help="HTTP route prefix of the app (/)")
     c.add_argument("--app-name", default="relaygr", help="Serve application name (relaygr)")
-    c.add_argument("--metrics-port", type=POSITIVE_INT, default=None,
+    c.add_argument("--metrics-port", type=_port, default=None,
                    help="Prometheus metrics export port of the local Ray instance (default: one Ray picks; "
                         "printed at start)")
     c.add_argument("--duration", type=NON_NEGATIVE, default=None,
@@ -104,7 +123,22 @@ def _spec(args):
                                             max_candidates=args.max_candidates, max_history=args.max_history))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, stop: Optional[threading.Event] = None) -> int:
+    """Run ``relaygr serve``.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default: ``sys.argv[1:]``).
+    stop : threading.Event, optional
+        Serve until it is set, for a caller that runs the server in a thread (Ctrl-C, SIGTERM and ``--duration``
+        stop it as well).
+
+    Returns
+    -------
+    int
+        The exit status: 0 once stopped; usage errors exit with status 2 (``SystemExit``).
+    """
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -132,8 +166,52 @@ def main(argv: Optional[list[str]] = None) -> int:
     import ray
     from ray import serve
 
+    if args.address is None and not ray.is_initialized():  # this process starts Ray and Serve's proxy here
+        _check_listen(parser, "--port", args.host, args.port)
+        if args.metrics_port is not None:
+            _check_listen(parser, "--metrics-port", _LOOPBACK, args.metrics_port)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    return _serve(args, spec, ray, serve)
+    return _serve(parser, args, spec, ray, serve, stop)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_listen(parser: argparse.ArgumentParser, flag: str, host: str, port: int) -> None:
+    """Stop with a usage error naming ``flag`` (or ``--host``) when ``host:port`` cannot be bound now.
+
+    Binds without ``SO_REUSEADDR``, as Serve's proxy does, so a port any socket holds counts as in use.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        parser.error(f"argument --host: expected an address of this machine, got {host!r} ({e.strerror})")
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                parser.error(f"argument {flag}: expected a free port, got {port}: {_address(host, port)} is "
+                             "already in use")
+            if e.errno == errno.EADDRNOTAVAIL:
+                parser.error(f"argument --host: expected an address of this machine, got {host!r} "
+                             f"({e.strerror})")
+            parser.error(f"argument {flag}: cannot listen on {_address(host, port)} ({e.strerror})")
+
+
+def _bind_failure(exc: BaseException) -> Optional[str]:
+    """The address in Serve's proxy bind failure (a ``RayTaskError(RuntimeError)`` out of ``serve.start``) found in
+    ``exc`` or what caused it; ``None`` for any other error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = _BIND_FAILURE.search(str(exc))
+        if found:
+            return found.group(1)
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def _metrics_urls(ray) -> list[str]:
@@ -154,65 +232,93 @@ def _stop_on_sigterm():
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def _serve(args, spec, ray, serve) -> int:
-    from .ray_serve import run
-
-    started_ray = False
+def _start_ray(args, ray) -> tuple[bool, str]:
+    """Connect to Ray as ``args`` say; ``(whether this process started it, where)``."""
     if ray.is_initialized():  # called from a driver that is already connected
-        where = "the Ray instance this process is connected to"
-    elif args.address is None:
+        return False, "the Ray instance this process is connected to"
+    if args.address is None:
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address=_LOOPBACK,
                  _metrics_export_port=args.metrics_port)
-        started_ray, where = True, "a local Ray instance (127.0.0.1)"
-        node_ip = ray.util.get_node_ip_address()
-        if node_ip != _LOOPBACK:  # Ray was imported before the environment was set (a caller's process)
-            ray.shutdown()
-            print(f"relaygr serve: the local Ray node took the address {node_ip}, not {_LOOPBACK}; run relaygr serve "
-                  f"in its own process or set {_LOCAL_NODE_ENV}=0 before importing ray", file=sys.stderr)
-            return 2
-    else:
-        ray.init(address=args.address)
-        where = f"the Ray cluster at {args.address}"
+        return True, "a local Ray instance (127.0.0.1)"
+    ray.init(address=args.address)
+    return False, f"the Ray cluster at {args.address}"
+
+
+def _deploy(args, spec) -> str:
+    """Start Serve and deploy the app; returns what was deployed, in words."""
+    common = dict(app_name=args.app_name, route_prefix=args.route_prefix, host=args.host, port=args.port,
+                  num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
+                  load_factor=args.load_factor, stats_period_s=args.stats_period_s,
+                  max_ongoing_requests=args.max_ongoing_requests)
+    if args.prefill_replicas is None:
+        from .ray_serve import run
+        run(spec, num_replicas=args.replicas, **common)
+        return f"{args.replicas} replica(s)"
+    from .disaggregated import run_disaggregated
+    run_disaggregated(spec, prefill_replicas=args.prefill_replicas, rank_replicas=args.rank_replicas,
+                      ratio_control=args.ratio_control, **common)
+    return (f"{args.prefill_replicas} pre-infer + {args.rank_replicas} ranking replica(s) "
+            f"(disaggregated{', live ratio control' if args.ratio_control is not None else ''})")
+
+
+def _announce(args, ray, shape: str, where: str, started_ray: bool) -> None:
+    prefix = args.route_prefix.rstrip("/") + "/"
+    print(f"relaygr serve: {shape} of app {args.app_name!r} on {where}")
+    print(f"HTTP http://{_address(args.host, args.port)}{prefix}  (POST {prefix}prefill, POST {prefix}rank, "
+          f"GET {prefix}stats; route key in header x-session-id, e.g. '7;prefill' then the prefill reply's route_key)")
+    if not started_ray:
+        print("(a Serve instance already running on the cluster keeps its own HTTP host and port)")
+    print(f"metrics (Prometheus): {', '.join(_metrics_urls(ray))}  (names: relaygr_engine.serving.metrics, "
+          "prefixed ray_ by Ray)")
+    print("Ctrl-C (or SIGTERM) to stop" if args.duration is None else f"serving for {args.duration:g} s",
+          flush=True)
+
+
+def _wait(duration: Optional[float], stop: Optional[threading.Event]) -> None:
+    """Until ``duration`` seconds have passed or ``stop`` is set (Ctrl-C and SIGTERM raise KeyboardInterrupt)."""
+    stop = stop if stop is not None else threading.Event()
+    end = None if duration is None else time.monotonic() + duration
+    while not stop.is_set() and (end is None or time.monotonic() < end):
+        stop.wait(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
+
+
+def _serve(parser, args, spec, ray, serve, stop: Optional[threading.Event] = None) -> int:
+    started_ray, where = _start_ray(args, ray)
+    node_ip = ray.util.get_node_ip_address() if started_ray else _LOOPBACK
+    if node_ip != _LOOPBACK:  # Ray was imported before the environment was set (a caller's process)
+        ray.shutdown()
+        print(f"relaygr serve: the local Ray node took the address {node_ip}, not {_LOOPBACK}; run relaygr serve "
+              f"in its own process or set {_LOCAL_NODE_ENV}=0 before importing ray", file=sys.stderr)
+        return 2
     restore = _stop_on_sigterm()  # after ray.init, which installs its own SIGTERM handler
+    failure, deployed = None, False
     try:
-        common = dict(app_name=args.app_name, route_prefix=args.route_prefix, host=args.host, port=args.port,
-                      num_cpus=args.replica_cpus, num_gpus=1.0 if args.device == "cuda" else 0.0,
-                      load_factor=args.load_factor, stats_period_s=args.stats_period_s,
-                      max_ongoing_requests=args.max_ongoing_requests)
-        if args.prefill_replicas is None:
-            run(spec, num_replicas=args.replicas, **common)
-            shape = f"{args.replicas} replica(s)"
+        try:
+            shape = _deploy(args, spec)
+            deployed = True
+        except Exception as e:  # noqa: BLE001 - only the proxy's bind failure is turned into a usage error
+            address = _bind_failure(e)
+            if address is None:
+                raise
+            failure = (f"argument --port: expected a free port, got {args.port}: Serve's HTTP proxy could not "
+                       f"bind {address} (in use by another process?)")
         else:
-            from .disaggregated import run_disaggregated
-            run_disaggregated(spec, prefill_replicas=args.prefill_replicas, rank_replicas=args.rank_replicas,
-                              ratio_control=args.ratio_control, **common)
-            shape = (f"{args.prefill_replicas} pre-infer + {args.rank_replicas} ranking replica(s) "
-                     f"(disaggregated{', live ratio control' if args.ratio_control is not None else ''})")
-        prefix = args.route_prefix.rstrip("/") + "/"
-        url = f"http://{args.host}:{args.port}{prefix}"
-        print(f"relaygr serve: {shape} of app {args.app_name!r} on {where}")
-        print(f"HTTP {url}  (POST {prefix}prefill, POST {prefix}rank, GET {prefix}stats; route key in header "
-              "x-session-id, e.g. '7;prefill' then the prefill reply's route_key)")
-        if not started_ray:
-            print("(a Serve instance already running on the cluster keeps its own HTTP host and port)")
-        print(f"metrics (Prometheus): {', '.join(_metrics_urls(ray))}  (names: relaygr_engine.serving.metrics, "
-              "prefixed ray_ by Ray)")
-        print("Ctrl-C (or SIGTERM) to stop" if args.duration is None else f"serving for {args.duration:g} s",
-              flush=True)
-        end = None if args.duration is None else time.monotonic() + args.duration
-        while end is None or time.monotonic() < end:
-            time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
+            _announce(args, ray, shape, where, started_ray)
+            _wait(args.duration, stop)
     except KeyboardInterrupt:
         print("relaygr serve: stopping", flush=True)
     finally:
         try:
             if started_ray:
-                serve.shutdown()
-                ray.shutdown()
-            else:
+                if deployed:
+                    serve.shutdown()  # replicas stop gracefully
+                ray.shutdown()  # stops every process of the local instance, Serve's too
+            elif failure is None:  # a failed start deployed nothing
                 serve.delete(args.app_name)
         finally:
             restore()
+    if failure is not None:
+        parser.error(failure)  # after Ray's shutdown, so that its output does not follow the error line
     return 0
 
 
