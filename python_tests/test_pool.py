@@ -475,9 +475,15 @@ def test_threaded_stress_keeps_invariants(pool_cls):
     errors: list[BaseException] = []
     refused = [0]
 
+    def rounds():  # 2 s, and at least 200 rounds per thread however the machine schedules them
+        n = 0
+        while n < 200 or time.monotonic() < stop:
+            n += 1
+            yield n
+
     def prefill(seed):
         rng = random.Random(seed)
-        while time.monotonic() < stop:
+        for _ in rounds():
             user, fp = rng.randrange(40), rng.randrange(3)
             try:
                 pages = pool.insert(user, fp, rng.randint(1, 24), ttl_s=rng.choice([0.0, 0.002, 0.01]))
@@ -490,7 +496,7 @@ def test_threaded_stress_keeps_invariants(pool_cls):
 
     def rank(seed):
         rng = random.Random(seed)
-        while time.monotonic() < stop:
+        for _ in rounds():
             user = rng.randrange(40)
             for fp, ntok in pool.entries_of(user):
                 pages = pool.pin(user, fp)
@@ -505,7 +511,7 @@ def test_threaded_stress_keeps_invariants(pool_cls):
 
     def churn(seed):
         rng = random.Random(seed)
-        while time.monotonic() < stop:
+        for _ in rounds():
             pool.expire()
             user = rng.randrange(40)
             for fp, _ in pool.entries_of(user):
