@@ -3,7 +3,8 @@
 Without Ray: the JSON depth scan, body parsing and the replica's HTTP handler (a real Starlette request). With Ray:
 ``relaygr serve`` in its own process, hostile bodies over HTTP on 127.0.0.1 (oversized, chunked, deeply nested,
 wrongly typed) answered 4xx while the replica keeps serving exact scores, and every listening socket of the started
-processes bound to loopback.
+processes bound to loopback. A port already in use is a one-line usage error, whether ``relaygr serve`` finds it
+taken before starting Ray or Serve's proxy fails to bind it afterwards.
 """
 from __future__ import annotations
 
@@ -12,13 +13,9 @@ import http.client
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -26,6 +23,8 @@ import torch
 import relaygr_engine as rg
 from relaygr_engine.serving import wire
 from relaygr_engine.serving.ray_serve import RelayReplica, ReplicaSpec
+
+from ray_local import ENV, kill_session, serve_process, server_port, session_processes
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 CFG = dict(attention="hstu", num_layers=1, hidden_dim=32, num_heads=2, head_dim=16, num_items=500, num_actions=4,
@@ -246,44 +245,25 @@ def _post(port: int, path: str, data, timeout: float = 60.0):
         conn.close()
 
 
+def _serve_args(*extra: str) -> list[str]:
+    """``relaygr serve`` arguments for a 1-replica app of ``CFG`` with ``LIMITS`` (no ``--port``)."""
+    return ["--replicas", "1", "--num-cpus", "2", "--replica-cpus", "0.5", "--model", json.dumps(CFG), "--seed",
+            str(SEED), "--num-pages", "64", "--max-body-bytes", str(LIMITS["max_body_bytes"]), "--max-json-depth",
+            str(LIMITS["max_json_depth"]), "--max-candidates", str(LIMITS["max_candidates"]), *extra]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """``relaygr serve`` (local mode, 1 replica) in its own process; stopped with SIGTERM."""
+    """``relaygr serve`` (local mode, 1 replica) in its own process on a port Ray does not pick; stopped with
+    SIGTERM."""
     if not HAS_RAY:
         pytest.skip("ray[serve] is not installed (pip install 'relaygr-engine[ray]')")
     if not os.path.exists("/proc/net/tcp"):
         pytest.skip("listing listening sockets needs Linux /proc")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = server_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    argv = [sys.executable, "-m", "relaygr_engine.cli", "serve", "--replicas", "1", "--num-cpus", "2",
-            "--replica-cpus", "0.5", "--port", str(port), "--model", json.dumps(CFG), "--seed", str(SEED),
-            "--num-pages", "64", "--duration", "900", "--max-body-bytes", str(LIMITS["max_body_bytes"]),
-            "--max-json-depth", str(LIMITS["max_json_depth"]), "--max-candidates", str(LIMITS["max_candidates"])]
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0",
-               OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        end = time.monotonic() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-4000:]
-            time.sleep(0.5)
+    with serve_process(_serve_args("--duration", "900"), port, log, timeout_s=240) as proc:
         yield {"proc": proc, "port": port, "model": rg.build_ranker(rg.GRModelConfig(**CFG), seed=SEED)}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and the Ray processes it started
-            proc.wait()
 
 
 @pytest.mark.ray
@@ -318,3 +298,62 @@ def test_http_bad_bodies_get_4xx_and_the_replica_keeps_serving_exact_scores(serv
     got, res = _post(port, "/rank", json.dumps(dict(body, ticket=pre["ticket"])).encode())
     assert got == 200 and res["source"] == "hbm" and res["cached_tokens"] == 50
     assert exact(model, body, res["scores"]) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- a port in use
+def _in_use(flag: str, port: int, why: str) -> str:
+    return f"relaygr serve: error: argument {flag}: expected a free port, got {port}: {why} (see relaygr serve --help)"
+
+
+@pytest.mark.skipif(not HAS_RAY, reason="ray[serve] is not installed (pip install 'relaygr-engine[ray]')")
+def test_serve_refuses_a_port_in_use_in_one_line_before_starting_ray():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", server_port()))
+        held.listen()
+        port = held.getsockname()[1]
+        for flag, extra in (("--port", ()), ("--metrics-port", ("--port", str(server_port())))):
+            proc = subprocess.Popen([sys.executable, "-m", "relaygr_engine.cli", "serve", *_serve_args(*extra), flag,
+                                     str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **ENV}, start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=120)
+            finally:
+                kill_session(proc.pid)
+            assert proc.returncode == 2 and out == "", (out, err)
+            assert err.splitlines() == [_in_use(flag, port, f"127.0.0.1:{port} is already in use")], err
+            assert session_processes(proc.pid) == []  # no Ray process was started
+
+
+# ``relaygr serve`` whose port check, once passed, takes the port: Serve's proxy then fails to bind it
+TAKE_AFTER_CHECK = """
+import socket, sys
+from relaygr_engine.serving import cli
+check, held = cli._check_listen, []
+def check_then_take(parser, flag, host, port):
+    check(parser, flag, host, port)
+    if flag == "--port":
+        held.append(socket.create_server((host, port)))
+cli._check_listen = check_then_take
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_RAY, reason="ray[serve] is not installed (pip install 'relaygr-engine[ray]')")
+def test_serve_reports_the_proxy_failing_to_bind_in_one_line_after_shutting_ray_down():
+    port = server_port()
+    proc = subprocess.Popen([sys.executable, "-c", TAKE_AFTER_CHECK, *_serve_args("--duration", "60"), "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+        left = session_processes(proc.pid)  # Ray's processes, had the server not shut Ray down
+    finally:
+        kill_session(proc.pid)
+    lines = err.splitlines()
+    assert proc.returncode == 2, err[-4000:]
+    assert lines[-1] == _in_use("--port", port, f"Serve's HTTP proxy could not bind 127.0.0.1:{port} (in use by "
+                                                "another process?)"), err[-4000:]
+    assert not any(line.startswith("Traceback") for line in lines), err[-4000:]  # none of the server's own
+    assert "HTTP http://" not in out and left == [], (out, left)

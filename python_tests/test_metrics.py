@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 import relaygr_engine as rg
 from relaygr_engine.serving import metrics as m
-from ray_local import free_port, local_ray
+from ray_local import http_get, local_ray, server_port
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 HAS_PROM = importlib.util.find_spec("prometheus_client") is not None
@@ -81,10 +80,10 @@ def test_a_serve_replica_exports_its_metrics_on_rays_metrics_port():
     from relaygr_engine.serving.client import RelayClient
     from relaygr_engine.serving.ray_serve import DEPLOYMENT_NAME, ReplicaSpec, run
 
-    metrics_port = free_port()
+    metrics_port = server_port()
     spec = ReplicaSpec(model=CFG, seed=0, cache=rg.CacheConfig(page_size=16, num_pages=64, lease_ttl_s=600.0))
     with local_ray(_metrics_export_port=metrics_port):
-        client = RelayClient(run(spec, num_replicas=1, num_cpus=0.5, port=free_port(), app_name="relaygr_metrics",
+        client = RelayClient(run(spec, num_replicas=1, num_cpus=0.5, port=server_port(), app_name="relaygr_metrics",
                                  route_prefix=None))
         cands = torch.arange(4)
         for user in range(2):
@@ -95,7 +94,8 @@ def test_a_serve_replica_exports_its_metrics_on_rays_metrics_port():
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         end = time.monotonic() + 120
         while True:  # Ray's metrics agent exports what the replica recorded every few seconds
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            status, raw = http_get(url)
+            text = raw.decode() if status == 200 else ""  # the agent may not listen yet
             ranks = samples(text, "ray_relaygr_engine_rank_requests_total")
             if ranks and ranks[0][1] >= 2:
                 break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import torch
 import relaygr_engine as rg
 from relaygr_engine.serving.ray_serve import ReplicaSpec
 
-from ray_local import free_port
+from ray_local import server_port
 from test_ray_serve import _exact
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
@@ -85,7 +86,7 @@ def app(request):
     try:
         cluster, placement = _start_ray(request.param)
         rank, prefill = run_disaggregated(spec, prefill_replicas=1, rank_replicas=2, num_cpus=0.25,
-                                          app_name=f"pd_{request.param}", port=free_port(), stats_period_s=0.2,
+                                          app_name=f"pd_{request.param}", port=server_port(), stats_period_s=0.2,
                                           **placement)
         yield {"client": RelayClient(rank, prefill_handle=prefill, forward_deadline_s=2.0), "prefill": prefill,
                "ray": ray, "model": rg.build_ranker(CFG, seed=SEED), "kind": request.param}
@@ -112,15 +113,19 @@ def test_shipped_prefixes_hit_on_the_ranking_pool_and_a_killed_pre_infer_replica
     prefix = {u: hist[u].prefix(len(hist[u]) - 8) for u in users}
     pre_desc = app["prefill"].options(method_name="describe").remote().result()
     pres, results = {}, {}
+    second_half_prefilled = threading.Event()
 
     def serve_user(u):
         pres[u] = client.prefill(u, prefix[u])
+        if u >= USERS // 2:
+            second_half_prefilled.set()
         results[u] = client.rank(u, hist[u], candidates(u), ticket=pres[u])
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(serve_user, users[: USERS // 2]))
         futures = [pool.submit(serve_user, u) for u in users[USERS // 2:]]
-        time.sleep(0.5)
+        # kill mid-run: once the second half's first pre-infer has returned, with the rest in flight or queued
+        assert second_half_prefilled.wait(timeout=120), "no pre-infer of the second half returned"
         ray.kill(ray.get_actor(pre_desc["actor_name"], namespace="serve"), no_restart=True)
         for f in futures:
             f.result()  # no request lost: each returns scores

@@ -11,21 +11,19 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 from relaygr_engine.serving import wire
 
-from ray_local import ENV, free_port
+from ray_local import serve_process, server_port
 from test_ray_disaggregated import CFG, SEED, candidates, history
-from test_ray_serve import _exact, _get, _post
+from test_ray_serve import _exact, _post
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 pytestmark = [pytest.mark.ray,
@@ -39,32 +37,18 @@ def served():
     """``relaygr serve`` in a subprocess (its own local Ray, logs under a short temp dir); SIGTERM on exit."""
     import relaygr_engine as rg
 
-    port = free_port()
+    port = server_port()
     tmp = tempfile.mkdtemp(prefix="rgr", dir="/tmp")  # Ray's socket paths must stay short
     model = json.dumps({k: (v.value if hasattr(v, "value") else v) for k, v in CFG.__dict__.items()})
-    cmd = [sys.executable, "-m", "relaygr_engine.cli", "serve", "--prefill-replicas", "2", "--rank-replicas", "1",
-           "--ratio-control", json.dumps({"window_s": 2.0, "patience": 2}), "--slo-ms", "0.001",
-           "--num-cpus", "2", "--replica-cpus", "0.25", "--port", str(port), "--app-name", "pd_http",
-           "--model", model, "--seed", str(SEED), "--num-pages", "256", "--lease-ttl-s", "600"]
-    log = open(os.path.join(tmp, "serve.out"), "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, **ENV, RAY_TMPDIR=tmp, RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S="1.0"))
+    args = ["--prefill-replicas", "2", "--rank-replicas", "1",
+            "--ratio-control", json.dumps({"window_s": 2.0, "patience": 2}), "--slo-ms", "0.001",
+            "--num-cpus", "2", "--replica-cpus", "0.25", "--app-name", "pd_http",
+            "--model", model, "--seed", str(SEED), "--num-pages", "256", "--lease-ttl-s", "600"]
     try:
-        end = time.monotonic() + 300
-        while _get(f"http://127.0.0.1:{port}/stats")[0] != 200:
-            if proc.poll() is not None or time.monotonic() > end:
-                log.seek(0)
-                pytest.fail(f"relaygr serve never answered (exit {proc.poll()}):\n{log.read()[-4000:]}")
-            time.sleep(0.5)
-        yield {"port": port, "tmp": tmp, "model": rg.build_ranker(CFG, seed=SEED)}
+        with serve_process(args, port, Path(tmp) / "serve.out",
+                           env={"RAY_TMPDIR": tmp, "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}):
+            yield {"port": port, "tmp": tmp, "model": rg.build_ranker(CFG, seed=SEED)}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -20,7 +20,7 @@ from relaygr_engine.policy.affinity import AffinityRouter, ForwardResult, rank_r
 from relaygr_engine.serving import wire
 from relaygr_engine.serving.ray_serve import RelayReplica, ReplicaSpec
 from relaygr_engine.serving.route_key import RouteKey, route_order
-from ray_local import free_port, local_ray
+from ray_local import local_ray, server_port, wait_for_http
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 needs_ray = pytest.mark.skipif(not HAS_RAY, reason="ray[serve] is not installed (pip install 'relaygr-engine[ray]')")
@@ -301,7 +301,7 @@ def app():
     from relaygr_engine.serving.client import RelayClient
     from relaygr_engine.serving.ray_serve import run
 
-    port = free_port()
+    port = server_port()
     spec = ReplicaSpec(model=CFG, seed=SEED, torch_threads=1,
                        cache=rg.CacheConfig(page_size=16, num_pages=256, max_pinned_fraction=0.5,
                                             lease_ttl_s=600.0))
@@ -345,16 +345,6 @@ def test_http_prefill_then_rank_on_the_same_replica(app):
         app["client"].rank(1, history(1, 10), torch.tensor([CFG.num_items]))
 
 
-def _get(url: str):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, None
-    except (urllib.error.URLError, ConnectionError):
-        return None, None
-
-
 @pytest.mark.ray
 @needs_ray
 def test_cli_deploys_an_app_that_serves_http(app, capsys):
@@ -364,15 +354,13 @@ def test_cli_deploys_an_app_that_serves_http(app, capsys):
     model_json = json.dumps({k: v for k, v in CFG.__dict__.items() if k != "attention"})
     argv = ["--replicas", "1", "--replica-cpus", "0.25", "--app-name", "relaygr_cli", "--route-prefix", "/cli",
             "--port", str(port), "--model", model_json, "--seed", str(SEED), "--num-pages", "64",
-            "--lease-ttl-s", "600", "--duration", "10"]
-    out: dict = {}
-    th = threading.Thread(target=lambda: out.setdefault("rc", main(argv)))
+            "--lease-ttl-s", "600", "--duration", "600"]
+    out, stop = {}, threading.Event()  # the test's requests end the server, not a clock
+    th = threading.Thread(target=lambda: out.setdefault("rc", main(argv, stop=stop)))
     th.start()
     try:
-        end = time.monotonic() + 180
-        while _get(f"http://127.0.0.1:{port}/cli/stats")[0] != 200:
-            assert th.is_alive() and time.monotonic() < end, "the CLI app never answered"
-            time.sleep(0.2)
+        wait_for_http(f"http://127.0.0.1:{port}/cli/stats", th.is_alive, lambda: "".join(capsys.readouterr()),
+                      timeout_s=180)
         h, c = history(77, 30), candidates(77)
         status, pre = _post(port, "/cli/prefill", {"user_id": 77, **wire.behaviors_to_json(h.prefix(20))},
                             "77;prefill")
@@ -382,6 +370,7 @@ def test_cli_deploys_an_app_that_serves_http(app, capsys):
         assert status == 200 and res["replica"] == pre["replica"] and res["source"] == "hbm"
         assert _exact(model, h, c, torch.tensor(res["scores"])) <= 1e-4
     finally:
+        stop.set()
         th.join(timeout=120)
     assert out.get("rc") == 0
     printed = capsys.readouterr().out
