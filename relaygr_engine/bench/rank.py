@@ -12,7 +12,12 @@ interleaved runs after a warm-up):
 
 Scores of all three are checked to agree. With ``--cuda-graphs`` a second engine serves ``recompute`` and
 ``cached`` again through CUDA graphs (:mod:`relaygr_engine.engine.graphs`), timed in the same runs, after the
-warm-up captured them: ``graph_gain`` is eager cached over graph cached.
+warm-up captured them: ``graph_gain`` is eager cached over graph cached. With ``--compile`` every path runs the
+whole model compiled (``torch.compile(fullgraph=True, dynamic=True)``: the engines with ``compile_model=True``,
+``full`` through the compiled dense forward); the warm-up compiles and is not timed. NVIDIA's shape with both::
+
+    relaygr bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 --page-size 64 \
+        --lengths 4096 --new 128 --candidates 256 --compile --cuda-graphs
 
 Model: HSTU (or ``--attention softmax``), ``--layers`` layers (default 2) of ``--heads`` heads x ``--head-dim``
 (default 2 x 32, hidden = heads x head dim), ``--dtype`` (default float32; the KV pages use the same dtype).
@@ -25,6 +30,7 @@ candidates) is::
     relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--layers N] [--new N] [--repeats N]
                        [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--dtype D]
                        [--heads H] [--head-dim D] [--page-size N] [--lengths L,L,...] [--candidates C,C,...]
+                       [--compile] [--cuda-graphs]
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from ..batch import RelayBatch
 from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS
 from ..config import CacheConfig, resolve_dtype
 from ..engine import RelayEngine
@@ -76,6 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per KV page (default 16)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="also time recompute and cached through CUDA graphs (a CUDA device, the Triton backend)")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the whole model compiled on every path (torch.compile, fullgraph, dynamic shapes)")
     args = ap.parse_args(argv)
     if args.cuda_graphs and (args.device == "cpu" or args.backend == "torch"):
         ap.error("--cuda-graphs needs --device cuda and the Triton backend (--backend auto or triton)")
@@ -96,12 +105,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     pages = sum(-(-L // ps) for L in lengths) + 16
     cache = CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype, max_pinned_fraction=1.0,
                         lease_ttl_s=3600.0, attention_backend=args.backend)
-    engine = RelayEngine(model, cache, extend_on_rank=False)
-    graphed = RelayEngine(model, cache, extend_on_rank=False, cuda_graphs=True) if args.cuda_graphs else None
+    engine = RelayEngine(model, cache, extend_on_rank=False, compile_model=args.compile)
+    graphed = (RelayEngine(model, cache, extend_on_rank=False, cuda_graphs=True, compile_model=args.compile)
+               if args.cuda_graphs else None)
+    full_model = torch.compile(model, fullgraph=True, dynamic=True) if args.compile else model
+
+    @torch.inference_mode()
+    def rank_full(hist, c):
+        model.check_inputs(hist, c)
+        return full_model(RelayBatch.full(hist, c, device=device))
     env = environment(str(device))
     print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden {hidden}, {args.heads} heads x "
           f"{args.head_dim}, {args.dtype}, page {ps}, "
           f"{env['device_name']}, {env['threads']} threads, prefix = L - {args.new}, "
+          f"{'compiled' if args.compile else 'eager'}, "
           f"median of {repeats} (after a warm-up)")
     print(f"{'L':>6} {'C':>5} {'cached':>7} {'full ms':>10} {'recomp ms':>10} {'cached ms':>10} "
           f"{'vs full':>8} {'vs recomp':>9} {'max|diff|':>10}")
@@ -120,7 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             c = torch.randint(0, cfg.num_items, (C,), generator=torch.Generator().manual_seed(C))  # on the host
             full_ms, recompute_ms, cached_ms, graph_re_ms, graph_ms = [], [], [], [], []
             for r in range(repeats + 1):  # run 0 warms up
-                t_full, full = _time(lambda: model.rank_full(hist, c), device)
+                t_full, full = _time(lambda: rank_full(hist, c), device)
                 t_re, miss = _time(lambda: engine.rank_with_prefix(user_id=1000 + i, history=hist, candidates=c),
                                    device)
                 t_cached, res = _time(lambda: engine.rank_with_prefix(user_id=i, history=hist, candidates=c), device)
@@ -163,7 +180,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 result[f"graph_speedup_L{L}_C{C}"] = round(f / g, 2)
                 result[f"graph_speedup_vs_recompute_L{L}_C{C}"] = round(gr / g, 2)
                 result[f"graph_gain_L{L}_C{C}"] = round(k / g, 2)
-    result.update(max_abs_diff=worst, attention=args.attention, layers=args.layers, heads=args.heads,
+    fallbacks = sum(e.stats()["compile_failures"] for e in (engine, graphed) if e is not None)
+    if fallbacks:
+        print(f"note: {fallbacks} engine(s) could not compile the model and ran it eagerly")
+    result.update(max_abs_diff=worst, compiled=args.compile and not fallbacks, attention=args.attention, layers=args.layers, heads=args.heads,
                   head_dim=args.head_dim, dtype=args.dtype, device=str(device), threads=env["threads"])
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))
     return 0
