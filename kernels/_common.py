@@ -130,34 +130,43 @@ def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
 EMPTY_TILE_ROW = 1 << 30  # first row of a padding tile: past every segment, so the tile computes and stores nothing
 
 
-def tile_table(seqlens: Sequence[int], block_m: int, num_tiles: Optional[int] = None) -> torch.Tensor:
-    """The prefix-attention tiles of a varlen batch: each tile's user and first row of that user's segment.
+def tile_table(seqlens: Sequence[int], num_candidates: Sequence[int], block_m: tuple[int, int],
+               num_tiles: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix-attention tiles of a varlen batch: history tiles and candidate tiles, never mixed.
+
+    User ``b``'s rows ``[0, n_b)`` (``n_b = seqlens[b] - num_candidates[b]``, its new history) are cut into history
+    tiles of ``block_m[0]`` rows, its rows ``[n_b, seqlens[b])`` (its candidates) into candidate tiles of
+    ``block_m[1]``.
 
     Parameters
     ----------
-    seqlens : sequence of int
-        Query rows of each user (segment), ``B`` of them.
-    block_m : int
-        Rows per tile.
-    num_tiles : int, optional
-        Pad the table to this many tiles (a CUDA graph's fixed grid); a padding tile belongs to the last user
-        and starts at :data:`EMPTY_TILE_ROW`.
+    seqlens, num_candidates : sequence of int
+        Query rows and candidates of each user (segment), ``B`` of each.
+    block_m : (int, int)
+        Rows per history tile and per candidate tile.
+    num_tiles : (int, int), optional
+        Pad the two tables to these many tiles (a CUDA graph's fixed grid); a padding tile belongs to the last user
+        and starts at :data:`EMPTY_TILE_ROW`, past every segment, so it computes and stores nothing.
 
     Returns
     -------
-    int32 Tensor [2, num_tiles] on the host: ``[tile_user, tile_row]``.
+    (hist_tiles, cand_tiles) : int32 Tensors [2, n] on the host, each column ``[user, first row in its segment]``.
     """
-    users, rows = [], []
-    for b, n in enumerate(seqlens):
-        for r in range(0, n, block_m):
-            users.append(b)
-            rows.append(r)
-    if num_tiles is not None:
-        assert num_tiles >= len(users) and seqlens, (num_tiles, len(users))
-        pad = num_tiles - len(users)
-        users += [len(seqlens) - 1] * pad
-        rows += [EMPTY_TILE_ROW] * pad
-    return torch.tensor([users, rows], dtype=torch.int32).view(2, -1)
+    tables = []
+    for kind in range(2):
+        users, rows = [], []
+        for b, (n, c) in enumerate(zip(seqlens, num_candidates)):
+            lo, hi = (0, n - c) if kind == 0 else (n - c, n)
+            for r in range(lo, hi, block_m[kind]):
+                users.append(b)
+                rows.append(r)
+        if num_tiles is not None:
+            assert num_tiles[kind] >= len(users) and seqlens, (num_tiles, kind, len(users))
+            pad = num_tiles[kind] - len(users)
+            users += [len(seqlens) - 1] * pad
+            rows += [EMPTY_TILE_ROW] * pad
+        tables.append(torch.tensor([users, rows], dtype=torch.int32).view(2, -1))
+    return tables[0], tables[1]
 
 
 def describe(x) -> str:

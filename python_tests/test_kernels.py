@@ -226,7 +226,10 @@ def test_a_plan_built_once_serves_every_call_and_is_checked():
     meta = {n: args[n] for n in ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")}
     plan = plan_prefix_attention(**meta, kv_cache=args["kv_cache"], block_m=16)
     assert isinstance(plan, PrefixAttentionPlan) and plan.block_m == 16 and plan.total_q == 72
-    assert plan.num_tiles == 4 + 1 + 1 and plan.max_key_len == 45 + 60 and plan.num_cached == 61
+    # history tiles: users 0 and 1 (10 and 3 rows); candidate tiles: ceil(50 / 16) + 1 + 1
+    assert plan.hist_tiles.tolist() == [[0, 1], [0, 0]]
+    assert plan.cand_tiles.tolist() == [[0, 0, 0, 0, 1, 2], [10, 26, 42, 58, 3, 0]]
+    assert plan.num_tiles == 2 + 6 and plan.max_key_len == 45 + 60 and plan.num_cached == 61
     for mode in ("softmax", "hstu"):
         kw = attention_kwargs(mode, bias, 32)
         want = prefix_attention(**args, **kw, block_m=16)
@@ -237,7 +240,7 @@ def test_a_plan_built_once_serves_every_call_and_is_checked():
     with pytest.raises(ValueError, match="block_m=32 differs from the plan's block_m=16"):
         prefix_attention(**args, **kw, plan=plan, block_m=32)
     with pytest.raises(ValueError, match="plan must be a PrefixAttentionPlan"):
-        prefix_attention(**args, **kw, plan=(plan.tile_user, plan.tile_row))
+        prefix_attention(**args, **kw, plan=(plan.hist_tiles, plan.cand_tiles))
     other, _ = make_problem([(45, 10, 50), (16, 3, 3)], 16, 2, 32, seed=12)
     with pytest.raises(ValueError, match="plan was built for 3 users, 72 rows and .* got 2 users, 66 rows"):
         prefix_attention(**other, **kw, plan=plan)

@@ -60,11 +60,15 @@ def _require_nvidia_backend():
         raise RuntimeError("this triton has no NVIDIA backend (e.g. triton-ascend); ptxas reports need one")
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_warps: int = 4, num_stages: int = 2):
+def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_warps: int = 4, num_stages: int = 2,
+                   values: Optional[dict] = None):
     """Compile ``fn`` (a ``@triton.jit`` function) for ``sm_<arch>`` without a GPU; returns Triton's kernel object.
 
     ``types`` maps argument names to Triton types (``"*bf16"``, ``"fp32"``; unnamed arguments are ``"i32"``),
-    ``constexprs`` maps constexpr argument names to values.
+    ``constexprs`` maps constexpr argument names to values. Specialised as a launch would be: every pointer is
+    16-byte aligned (as torch allocates), and an integer argument named in ``values`` is known to be a multiple of
+    16 when its value is (Triton's launcher specialises each integer that way unless ``do_not_specialize``), so the
+    vector widths, and with them the asynchronous copies, are those of a real launch.
     """
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
@@ -72,8 +76,13 @@ def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_war
 
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     idx = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
-    return triton_compile(ASTSource(fn=fn, signature=sig, constexprs=idx), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    plain = {p.name for p in fn.params if p.do_not_specialize}
+    aligned = [n for n, t in sig.items() if t.startswith("*")]
+    aligned += [n for n, v in (values or {}).items() if n not in plain and sig.get(n, "").startswith("i")
+                and v % 16 == 0]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton_compile(ASTSource(fn=fn, signature=sig, constexprs=idx, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def attention_types(pointer: str) -> dict:
@@ -86,20 +95,36 @@ def attention_types(pointer: str) -> dict:
     return types
 
 
+def attention_values(head_dim: int, page_size: int, heads: int) -> dict:
+    """The integer arguments of a launch whose values are fixed by the shapes (contiguous ``[rows, H, D]`` inputs
+    and cache ``[pages, 2, page_size, H, D]``), for the launcher's specialisation."""
+    row = heads * head_dim
+    values = dict(num_heads=heads, stride_ts_page=page_size, stride_page=2 * page_size * row,
+                  stride_kv=page_size * row, stride_slot=row, stride_head=head_dim)
+    for t in "qkvo":
+        values.update({f"stride_{t}t": row, f"stride_{t}h": head_dim})
+    return values
+
+
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
-                      persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90):
-    """Compile ``_prefix_attention_kernel`` for one config (HSTU with both in-kernel biases on)."""
+                      persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
+                      cand_tiles: bool = True, bias: bool = True, heads: int = 4):
+    """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both in-kernel
+    biases on (or, ``bias=False``, none)."""
     from relaygr_engine.kernels import _common as C
     from relaygr_engine.kernels import prefix_attention as pa
 
     hstu = mode == "hstu"
-    ts_bits, ts_steps = pa._ts_search(32) if hstu else (1, 0)
+    biased = hstu and bias
+    ts_bits, ts_steps = pa._ts_search(32) if biased else (1, 0)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
-                      BLOCK_M=block_m, BLOCK_N=block_n, HSTU=hstu, HAS_POS=hstu, HAS_TS=hstu, TS_BITS=ts_bits,
+                      BLOCK_M=block_m, BLOCK_N=block_n, CAND_TILES=cand_tiles, HSTU=hstu, HAS_POS=biased,
+                      HAS_TS=biased, TS_BITS=ts_bits,
                       TS_STEPS=ts_steps, TS_TABLE=False, TS_ABS=False,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False)
     return compile_kernel(pa._prefix_attention_kernel, attention_types("*" + dtype), constexprs, arch=arch,
-                          num_warps=num_warps, num_stages=num_stages)
+                          num_warps=num_warps, num_stages=num_stages,
+                          values=attention_values(head_dim, page_size, heads))
 
 
 def ptxas_report(ptx: str, arch: int = 90) -> tuple[int, int, int]:

@@ -102,7 +102,7 @@ class _Bucket:
     key: GraphKey
     arena: Arena
     names: list
-    block_m: int
+    block_m: tuple  # rows of a history tile and of a candidate tile
     num_tiles: tuple  # (history tiles, candidate tiles) of the fixed grid
     graph: Optional[object] = None
     out: Optional[torch.Tensor] = None
@@ -184,9 +184,10 @@ class GraphRunner:
             self.state.counters.graph_evictions += 1
         cache = self.state.cache
         R, S = key.history_rows + key.candidates, key.users + 1
-        block_m = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1]).block_m
+        cfg = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1])
+        block_m = (cfg.hist_block_m, cfg.block_m)
         # Per kind, the sum over segments of ceil(rows / block_m), at most.
-        num_tiles = (key.history_rows // block_m + S, key.candidates // block_m + S)
+        num_tiles = (key.history_rows // block_m[0] + S, key.candidates // block_m[1] + S)
         pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
         i32, i64 = torch.int32, torch.long
         specs = {"item_ids": (i64, (R,)), "positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)),
@@ -266,8 +267,8 @@ class GraphRunner:
         from ..kernels.prefix_attention import PrefixAttentionPlan
 
         R, S = len(batch), key.users + 1
-        plan = PrefixAttentionPlan(b.block_m, S, R, self.state.page_size, cache.kv[0].shape[0], v("hist_tiles"),
-                                   v("cand_tiles"), key.prefix + R, key.prefix, key.prefix)
+        plan = PrefixAttentionPlan(b.block_m[1], b.block_m[0], S, R, self.state.page_size, cache.kv[0].shape[0],
+                                   v("hist_tiles"), v("cand_tiles"), key.prefix + R, key.prefix, key.prefix)
         paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
                            cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
                            plan=plan)

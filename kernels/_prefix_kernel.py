@@ -1,0 +1,414 @@
+"""The paged prefix-attention kernel (``@triton.jit`` code and its configs); the launcher is
+:mod:`relaygr_engine.kernels.prefix_attention`.
+
+A launch serves one kind of tile of a varlen batch (``CAND_TILES``): a tile is ``BLOCK_M`` consecutive query rows of
+one user and one head, all new history rows or all candidates, never both. A program takes one tile (or, with a
+persistent grid, loops over tiles) and one chunk of its user's cached prefix (split-prefix scheduling; the whole
+prefix without it), and streams keys in blocks of ``BLOCK_N``:
+
+1. the cached prefix from the pages: a block's page id is read once (one scalar when ``BLOCK_N`` divides the page,
+   else one per key), its K and V rows are one contiguous run of ``HEAD_DIM`` each (NHD pages); full blocks run
+   without masks, only the user's last block is masked;
+2. the user's new history K/V rows (from ``k``/``v``): every one for a candidate tile, causal for a history tile;
+3. candidate tiles: the rows' own K/V, as a block whose only visible entries are the diagonal (a candidate sees
+   itself, never another candidate).
+
+Candidate tiles share everything but the key: every candidate of a user has position ``P + n`` and the request time,
+so HSTU's relative bias ``pos_bias[min(P + n - j, NP - 1)] + ts_bias[bucket(t_c - t_j)]`` is a ``[BLOCK_N]`` vector
+per key block, added to each score by one add. History tiles (few rows, causal) compute it per (row, key).
+
+Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
+pointwise: no running max). Only pointer arithmetic with masks is used (no block pointers or tensor descriptors), so
+the same source runs through triton-ascend and Triton's CPU interpreter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import triton
+import triton.language as tl
+
+# Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
+# multiple of 16 by default, so each new combination would compile a new binary (about a second, paid by the
+# ranking that meets it); these are passed as plain values.
+BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
+
+
+# ------------------------------------------------------------------------------------------------ relative bias
+@triton.jit
+def _log2_bucket(dt, TS_BITS: tl.constexpr):
+    """``min(bit_length(max(dt, 0)), TS_BITS)`` of int64 ``dt``, from the exponent of ``d`` as a float.
+
+    ``d = clamp(dt, 0, 2**TS_BITS - 1)`` converts to fp32 (fp64 above 31 bits) rounding to nearest, so its biased
+    exponent minus the bias is ``bit_length(d)``, one too many when ``d`` rounded up to a power of two; a compare
+    (``d >> (e - 1) == 0``) takes that one back. ``d = 0`` has exponent field 0 and maps to 0.
+    """
+    d = tl.minimum(tl.maximum(dt, 0), (1 << TS_BITS) - 1)
+    if TS_BITS <= 31:
+        d = d.to(tl.int32)
+        e = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    else:
+        e = (d.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
+    e = tl.maximum(e, 0)
+    return tl.where((e > 0) & ((d >> tl.maximum(e - 1, 0)) == 0), e - 1, e)
+
+
+@triton.jit
+def _table_bucket(dt, bounds_ptr, num_bounds, TS_ABS: tl.constexpr, TS_STEPS: tl.constexpr):
+    """How many steps of the non-decreasing int64 table ``bounds[0 .. num_bounds)`` are ``<= dt`` (``|dt|`` with
+    ``TS_ABS``): a binary search extending the count by ``2**j``, ``j = TS_STEPS - 1 .. 0``."""
+    d = dt
+    if TS_ABS:
+        d = tl.where(dt < 0, -dt, dt)
+    count = tl.zeros_like(d).to(tl.int32)
+    for j in tl.static_range(TS_STEPS - 1, -1, -1):
+        probe = count + (1 << j)
+        ok = probe <= num_bounds
+        step = tl.load(bounds_ptr + (probe - 1), mask=ok, other=0)
+        count = tl.where(ok & (step <= d), probe, count)
+    return count
+
+
+@triton.jit
+def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+              HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr,
+              TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
+    """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
+    given: a ``[BLOCK_N]`` vector for a candidate tile (scalar query), ``[BLOCK_M, BLOCK_N]`` for a history tile.
+    Every index is clamped into its table, so no load needs a mask."""
+    b = 0.0
+    if HAS_POS:
+        b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
+    if HAS_TS:
+        if TS_TABLE:
+            bucket = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
+        else:
+            bucket = _log2_bucket(t_q - t_k, TS_BITS)
+        b += tl.load(ts_bias_ptr + bucket)
+    return b
+
+
+@triton.jit
+def _key_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+              CAND_TILES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr,
+              TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
+    """The bias of a key block (keys ``k_pos``, times ``t_k``, ``[BLOCK_N]``): ``[1, BLOCK_N]`` for a candidate
+    tile (scalar ``q_pos``/``t_q``), ``[BLOCK_M, BLOCK_N]`` for a history tile (``q_pos``/``t_q`` ``[BLOCK_M, 1]``)."""
+    if CAND_TILES:
+        return _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+                         HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)[None, :]
+    else:
+        return _rel_bias(q_pos, k_pos[None, :], t_q, t_k[None, :], pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                         num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+
+
+# ------------------------------------------------------------------------------------------------ key blocks
+@triton.jit
+def _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale,
+            HSTU: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block into the running state: ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HSTU:
+        if HAS_BIAS:
+            s = s * scale + bias
+        else:
+            s = s * scale
+        p = tl.fdiv(s, 1.0 + tl.exp2(s * -LOG2E))  # SiLU: s * sigmoid(s), one approximate reciprocal
+        if MASKED:
+            p = tl.where(visible, p, 0.0)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, start, hi, offs_n, offs_d, head_off,
+                stride_page, stride_kv, stride_slot, stride_ts_page,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                HAS_TS: tl.constexpr, MASKED: tl.constexpr):
+    """K, V ``[BLOCK_N, BLOCK_D]`` and (``HAS_TS``) timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n``
+    (``start`` a multiple of ``BLOCK_N``; with ``MASKED`` those ``>= hi`` read as zeros)."""
+    kpos = start + offs_n
+    if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id
+        page = tl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+        slot = start % PAGE_SIZE + offs_n
+        row = page * stride_page + slot * stride_slot
+    else:
+        page = tl.load(kv_indices_ptr + page_lo + kpos // PAGE_SIZE, mask=kpos < hi, other=0).to(tl.int64)
+        slot = kpos % PAGE_SIZE
+        row = page * stride_page + slot * stride_slot
+    off = head_off + row[:, None] + offs_d[None, :]
+    if MASKED:
+        mask = (kpos < hi)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(kv_ptr + off, mask=mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kv + off, mask=mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(kv_ptr + off, mask=mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kv + off, mask=mask, other=0.0)
+    else:
+        k = tl.load(kv_ptr + off)
+        v = tl.load(kv_ptr + stride_kv + off)
+    t_k = kpos  # stands in when HAS_TS is off (never read)
+    if HAS_TS:
+        if MASKED:
+            t_k = tl.load(ts_cache_ptr + page * stride_ts_page + slot, mask=kpos < hi, other=0)
+        else:
+            t_k = tl.load(ts_cache_ptr + page * stride_ts_page + slot)
+    return k, v, t_k
+
+
+@triton.jit
+def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_kt, stride_vt,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TS: tl.constexpr, MASKED: tl.constexpr):
+    """K, V ``[R, BLOCK_D]`` and timestamps ``[R]`` of batch rows ``rows`` (int64; with ``MASKED``, rows not ``ok``
+    read as zeros)."""
+    k_off = k_head + rows[:, None] * stride_kt + offs_d[None, :]
+    v_off = v_head + rows[:, None] * stride_vt + offs_d[None, :]
+    if MASKED or BLOCK_D != HEAD_DIM:
+        mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + k_off, mask=mask, other=0.0)
+        v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+    else:
+        k = tl.load(k_ptr + k_off)
+        v = tl.load(v_ptr + v_off)
+    t_k = rows  # stands in when HAS_TS is off (never read)
+    if HAS_TS:
+        t_k = tl.load(ts_q_ptr + rows, mask=ok, other=0)
+    return k, v, t_k
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+@triton.jit(do_not_specialize=BATCH_ARGS)
+def prefix_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
+    kv_ptr,                                           # [num_pages, 2, PAGE_SIZE, H, D]
+    kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,       # paged layout (int32)
+    cu_q_ptr, num_cand_ptr,                           # query layout (int32)
+    tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
+    pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
+    ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D], [S, total_q, H, 2]
+    num_heads, num_work, num_programs, num_splits, split_len, total_q,
+    num_pos, num_ts_bounds, stride_ts_page,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_page, stride_kv, stride_slot, stride_head,
+    scale, inv_norm,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAND_TILES: tl.constexpr,
+    HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+    TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    BIAS: tl.constexpr = HAS_POS or HAS_TS
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    qk_scale = scale * LOG2E
+    if PERSISTENT:
+        work_end = num_work
+        work_step = num_programs
+    else:
+        # One tile per program: a single-trip loop the compiler removes, so nothing is hoisted out of it and kept
+        # live across the key loops.
+        work_end = pid + 1
+        work_step = 1
+
+    for work in range(pid, work_end, work_step):
+        split = work % num_splits                               # prefix chunk (0 without SPLIT)
+        tile = work // num_splits // num_heads
+        head = work // num_splits % num_heads
+        user = tl.load(tile_user_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile)
+        q_start = tl.load(cu_q_ptr + user)
+        seqlen = tl.load(cu_q_ptr + user + 1) - q_start
+        n_hist = seqlen - tl.load(num_cand_ptr + user)
+        page_lo = tl.load(kv_indptr_ptr + user)
+        n_pages = tl.load(kv_indptr_ptr + user + 1) - page_lo
+        prefix_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + tl.load(kv_last_ptr + user), 0)
+
+        rows = row0 + offs_m                                    # rows of the user's segment
+        row_end = seqlen if CAND_TILES else n_hist
+        live = row0 < row_end                                   # else a padding tile: no key is read
+        row_ok = rows < row_end
+        if CAND_TILES:
+            q_pos = prefix_len + n_hist                         # every candidate's position and time
+            t_q = tl.load(ts_q_ptr + q_start + n_hist, mask=live, other=0) if HAS_TS else 0
+        else:
+            q_pos = (prefix_len + rows)[:, None]
+            t_q = tl.load(ts_q_ptr + q_start + rows, mask=row_ok, other=0)[:, None] if HAS_TS else 0
+        g_rows = (q_start + rows).to(tl.int64)                  # rows of q/k/v/out
+        q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # softmax: running max of log2-scaled logits
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)           # softmax: running sum of exp2(logit - m_i)
+
+        # 1. This split's chunk [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
+        lo = split * split_len
+        hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
+        full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+        head_off = head * stride_head
+        for start in range(lo, full_hi, BLOCK_N):
+            k, v, t_k = _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, start, hi, offs_n, offs_d,
+                                    head_off, stride_page, stride_kv, stride_slot, stride_ts_page,
+                                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, False)
+            bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
+                             TS_ABS) if BIAS else 0.0
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, 0, scale, qk_scale, HSTU, BIAS, False,
+                                    DOT_PRECISION)
+        if full_hi < hi:
+            k, v, t_k = _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, full_hi, hi, offs_n, offs_d,
+                                    head_off, stride_page, stride_kv, stride_slot, stride_ts_page,
+                                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, True)
+            bias = _key_bias(q_pos, full_hi + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
+                             TS_ABS) if BIAS else 0.0
+            visible = (full_hi + offs_n < hi)[None, :]
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+                                    DOT_PRECISION)
+
+        # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
+        # (New history is short next to the prefix: every block is masked.)
+        n_end = n_hist if CAND_TILES else tl.minimum(row0 + BLOCK_M, n_hist)
+        n_end = tl.where(live & (split == 0), n_end, 0)
+        k_head = head * stride_kh
+        v_head = head * stride_vh
+        for start in range(0, n_end, BLOCK_N):
+            idx = start + offs_n
+            k_ok = idx < n_end
+            k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d,
+                                   k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+            bias = _key_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
+                             TS_ABS) if BIAS else 0.0
+            if CAND_TILES:
+                visible = k_ok[None, :]
+            else:
+                visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+                                    DOT_PRECISION)
+
+        # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
+        if CAND_TILES:
+            if live & (split == 0):
+                k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, k_head, v_head, stride_kt,
+                                       stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+                bias = _rel_bias(q_pos, q_pos, t_q, t_q, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                                 num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+                visible = (offs_m[:, None] == offs_m[None, :]) & row_ok[None, :]
+                acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+                                        DOT_PRECISION)
+
+        if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
+            ws_rows = (split * total_q + g_rows) * num_heads + head
+            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            if not HSTU:
+                tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
+                tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
+        else:
+            if HSTU:
+                out = acc * inv_norm
+            else:
+                out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of one call: rows of a candidate tile (``block_m``) and of a history tile
+    (``hist_block_m``), keys per block (``block_n=None``: autotuned on CUDA)."""
+
+    block_m: int
+    block_n: Optional[int]
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    hist_block_m: Optional[int] = None
+
+    def __post_init__(self):
+        if self.hist_block_m is None:
+            object.__setattr__(self, "hist_block_m", self.block_m)
+
+
+# Interpreter: small tiles keep numpy work per step low while leaving few steps per tile.
+INTERPRETER_BLOCK_M = 32
+INTERPRETER_BLOCK_N = 32
+# NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
+NPU_BLOCK_M = 64
+NPU_BLOCK_N = 64
+# CUDA, 8 warps (two warp groups). Candidate tiles of 128 rows: each warp group owns 64 rows (one wgmma M on sm_90),
+# so a key block's K/V serve 128 candidates and no score is computed twice (at 64 rows over 8 warps both groups
+# compute the same scores). History tiles of 64 rows: new history is short, and the per-(row, key) bias of a
+# 128-row tile spills at head dim 256. BLOCK_N and stages are autotuned over the configs that compile spill-free
+# (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16; benchmarks/results/).
+CUDA_BLOCK_M = 128
+CUDA_HIST_BLOCK_M = 64
+CUDA_NUM_WARPS = 8
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_stages=s) for bn in (32, 64)
+                for s in (2, 3)]
+# Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
+SPLIT_ALIGN = 128
+# No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
+# never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
+# caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT",
+                 "SPLIT"]
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """The autotune candidates of a variant that compile spill-free on sm_90 (bf16, 8 warps): ``BLOCK_N = 32`` above
+    head dim 128, and for HSTU history tiles (a per-(row, key) bias) from head dim 128, there with 2 stages only
+    above 128. Every other config of :data:`CUDA_CONFIGS` is kept."""
+    meta = {**named_args, **kwargs}
+    head_dim, hist = meta.get("HEAD_DIM", 0), meta.get("HSTU", False) and not meta.get("CAND_TILES", True)
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (hist and head_dim >= 128)))
+            and (c.num_stages <= 2 or not (hist and head_dim > 128))]
+    return kept or configs[:1]
+
+
+def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, block_n: Optional[int] = None, *,
+                interpreted: bool = False) -> KernelConfig:
+    """Tile sizes for a call; ``block_m`` sets both kinds of tile; ``block_n=None`` on CUDA means "autotune" (see
+    the rule above ``CUDA_CONFIGS``)."""
+    if interpreted or device.type == "cpu":
+        return KernelConfig(block_m or INTERPRETER_BLOCK_M, block_n or INTERPRETER_BLOCK_N)
+    if device.type == "npu":  # pragma: no cover - needs an Ascend host
+        return KernelConfig(block_m or NPU_BLOCK_M, block_n or NPU_BLOCK_N)
+    return KernelConfig(block_m or CUDA_BLOCK_M, block_n, num_warps=CUDA_NUM_WARPS if block_n else None,
+                        num_stages=2 if block_n else None, hist_block_m=block_m or CUDA_HIST_BLOCK_M)
+
+
+_autotuned = None
+
+
+def reset_autotuning() -> None:
+    """Forget the autotuned configs chosen so far (the next call of each variant tunes again)."""
+    if _autotuned is not None:
+        _autotuned.cache.clear()
+
+
+def autotuned_kernel():
+    """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
+    global _autotuned
+    if _autotuned is None:
+        _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS,
+                                     prune_configs_by={"early_config_prune": prune_configs})(prefix_attention_kernel)
+    return _autotuned
