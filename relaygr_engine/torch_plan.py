@@ -49,7 +49,7 @@ class TorchPlan:
     out_idx : LongTensor [R]
         Each batch row's place in the padded ``[B * M]`` output.
     visible, hidden : BoolTensor [B, 1, M, K]
-        Which padded (row, key) pairs attend, and the others.
+        Which padded (row, key) pairs attend (``[1, M, K]`` for one user), and the others.
     dist : LongTensor [B, 1, M, K]
         Position distance ``pos_q - pos_k`` (>= 0 where visible).
     t_q, t_k : LongTensor [B, 1, M, 1] and [B, 1, 1, K], optional
@@ -73,17 +73,27 @@ class TorchPlan:
     t_k: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict)
 
-    def bias_index(self, pos_size: int, ts_size: int, time_bucket: TimeBucket = TimeBucket.LOG2) -> torch.Tensor:
+    def bias_index(self, pos_size: int, ts_size: int, time_bucket: TimeBucket = TimeBucket.LOG2,
+                   outer: bool = False) -> torch.Tensor:
         """``[n, B, 1, M, K]`` (``[B, 1, M, K]`` for ``n = 1``) indices into
         ``cat(pos table [pos_size], time table [ts_size], mask_values)``.
 
         One row per table in use (``pos_size``/``ts_size`` 0: not used; none used: one row that only masks): the
         clamped position distance, the ``time_bucket`` bucket (offset by ``pos_size``), and ``-BIG`` wherever a key
         is hidden, so that ``table[index].sum(0)`` is the whole additive bias and mask of a layer in one gather.
+
+        ``outer`` (both tables used): one row instead, into ``cat(outer sum [pos_size * ts_size], mask_values)``
+        (:func:`bias_table`): ``distance * ts_size + bucket``, so one gather needs no sum.
         """
-        key = (pos_size, ts_size, time_bucket)
+        key = (pos_size, ts_size, time_bucket, outer)
         idx = self._cache.get(key)
         if idx is not None:
+            return idx
+        if outer:
+            idx = self.dist.clamp(0, pos_size - 1).mul_(ts_size).add_(time_buckets(self.t_q - self.t_k, ts_size,
+                                                                                    time_bucket))
+            idx = idx.masked_fill_(self.hidden, pos_size * ts_size + 1)
+            self._cache[key] = idx = idx.view(1, self.M, self.K) if self.B == 1 else idx
             return idx
         rows = []
         if pos_size:
@@ -94,6 +104,8 @@ class TorchPlan:
         if not rows:
             rows.append(torch.full_like(self.dist, zero))
         idx = (torch.stack(rows) if len(rows) > 1 else rows[0]).masked_fill_(self.hidden, zero + 1)
+        if self.B == 1:  # one user: [n, 1, M, K], which broadcasts over the heads of a 3-D product
+            idx = idx.view(*idx.shape[:-4], 1, self.M, self.K)
         self._cache[key] = idx
         return idx
 
@@ -155,8 +167,9 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     visible = hist | cand                                                                    # [B, M, K]
     dist = (P + np.minimum(i, n))[:, :, None] - np.minimum(j, P + n)[:, None, :]              # pos_q - pos_k
     as_t = (lambda a: to_device(a, a.dtype, device))
+    shape = (1, M, K) if B == 1 else (B, 1, M, K)  # one user: broadcast over the heads of 3-D products
     plan = TorchPlan(B, M, K, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
-                     as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible[:, None]), as_t(~visible[:, None]),
+                     as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible.reshape(shape)), as_t(~visible[:, None]),
                      as_t(dist[:, None]), _mask_values(device))
     if ts_rows is not None:
         t_cached = ts_cache.view(-1)[as_t(page * page_size + slot)] if S else ts_rows[:0]
@@ -182,11 +195,49 @@ def planned_attention(plan: TorchPlan, q, k, v, flat_cache, mode: AttentionMode,
     if mode is AttentionMode.SOFTMAX:
         return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
                     mask=plan.visible)
-    tables = [t for t in (pos_bias, ts_bias) if t is not None]
-    idx = plan.bias_index(0 if pos_bias is None else pos_bias.numel(), 0 if ts_bias is None else ts_bias.numel(),
-                          time_bucket)
+    P, NB = (0 if t is None else t.numel() for t in (pos_bias, ts_bias))
+    outer = 0 < P * NB <= MAX_OUTER_BIAS
+    idx = plan.bias_index(P, NB, time_bucket, outer)
     return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
-                bias_table=torch.cat([*tables, plan.mask_values]), bias_index=idx, hstu_norm=hstu_norm)
+                bias_table=bias_table(pos_bias, ts_bias, plan.mask_values, outer), bias_index=idx,
+                hstu_norm=hstu_norm)
+
+
+# Largest outer-sum bias table (position distances x time buckets) a layer keeps: 64 Ki entries (256 KiB in fp32).
+MAX_OUTER_BIAS = 1 << 16
+_TABLES: dict = {}  # (id(pos), id(ts), outer) -> (pos, ts, their versions, table)
+
+
+def _version(t: Optional[torch.Tensor]) -> Optional[int]:
+    """The tensor's version counter (0 for None; None for an inference tensor, which has none)."""
+    if t is None:
+        return 0
+    return None if t.is_inference() else t._version
+
+
+def bias_table(pos_bias: Optional[torch.Tensor], ts_bias: Optional[torch.Tensor], mask_values: torch.Tensor,
+               outer: bool) -> torch.Tensor:
+    """The table a layer's :meth:`TorchPlan.bias_index` indexes: ``cat(pos_bias, ts_bias, mask_values)``, or with
+    ``outer`` ``cat((pos_bias[:, None] + ts_bias[None, :]).flatten(), mask_values)`` (each entry the same single
+    fp32 sum the gather-and-sum computes).
+
+    Kept across forwards while both tables are the same tensors at the same version (a parameter edited in place
+    or replaced makes a new one); tables without a version counter (inference tensors) are rebuilt every call.
+    """
+    key = (id(pos_bias), id(ts_bias), outer)
+    versions = (_version(pos_bias), _version(ts_bias))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is pos_bias and hit[1] is ts_bias and hit[2] == versions:
+        return hit[3]
+    if outer:
+        table = torch.cat([(pos_bias[:, None] + ts_bias[None, :]).view(-1), mask_values])
+    else:
+        table = torch.cat([*(t for t in (pos_bias, ts_bias) if t is not None), mask_values])
+    if None not in versions:
+        if len(_TABLES) >= 256:
+            _TABLES.clear()
+        _TABLES[key] = (pos_bias, ts_bias, versions, table)
+    return table
 
 
 def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int, int, int], scale: float, *,
@@ -196,11 +247,20 @@ def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int,
     B, M, K = shape
     H, D = q.shape[1], q.shape[2]
     kv = torch.cat([flat_cache.index_select(0, kv_slots), k, v]).index_select(0, kvidx)
+    if B == 1:  # one user: its rows are the padded rows (no gather), 3-D products over the heads
+        keys, vals = kv.view(2, K, H, D).transpose(1, 2).unbind(0)                # [H, K, D] each
+        qp = q.transpose(0, 1)                                                   # [H, M, D]
+        if mask is not None:
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
+        else:  # the bias add and the normaliser ride on the two baddbmm
+            bias = bias_table[bias_index]
+            if bias.dim() == 4:
+                bias = bias.sum(0)                                               # [1, M, K]
+            a = F.silu(torch.baddbmm(bias, qp, keys.transpose(1, 2), alpha=scale), inplace=True)
+            o = torch.baddbmm(_zero(q.device, q.dtype), a, vals, beta=0.0, alpha=1.0 / hstu_norm)
+        return o.transpose(0, 1)
     keys, vals = kv.view(2, B, K, H, D).transpose(2, 3).unbind(0)              # [B, H, K, D] each
-    if B == 1:  # the rows are the padded rows: no gather
-        qp = q.transpose(0, 1).unsqueeze(0)
-    else:
-        qp = q.index_select(0, qidx).view(B, M, H, D).transpose(1, 2)          # [B, H, M, D]
+    qp = q.index_select(0, qidx).view(B, M, H, D).transpose(1, 2)              # [B, H, M, D]
     if mask is not None:
         o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=scale)
     else:
@@ -209,9 +269,12 @@ def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int,
             bias = bias.sum(0)                                                   # [B, 1, M, K]
         a = F.silu(torch.add(bias, torch.matmul(qp, keys.transpose(2, 3)), alpha=scale), inplace=True)
         o = torch.matmul(a, vals).div_(hstu_norm)                                # [B, H, M, D]
-    if B == 1:
-        return o[0].transpose(0, 1)
     return o.transpose(1, 2).reshape(B * M, H, D).index_select(0, out_idx)
+
+
+@functools.lru_cache(maxsize=8)
+def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((), device=device, dtype=dtype)
 
 
 @functools.cache

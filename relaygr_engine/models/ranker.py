@@ -21,7 +21,11 @@ __all__ = ["GRRanker", "build_ranker"]
 
 
 def _check_range(name: str, x: torch.Tensor, hi: int) -> None:
-    lo_v, hi_v = int(x.min()), int(x.max())
+    if x.device.type == "cpu":  # on the host: numpy's reductions, no tensor ops
+        a = x.numpy()
+        lo_v, hi_v = int(a.min()), int(a.max())
+    else:
+        lo_v, hi_v = int(x.min()), int(x.max())
     if lo_v < 0 or hi_v >= hi:
         raise ValueError(f"{name} must be in [0, {hi}), got values in [{lo_v}, {hi_v}]")
 
