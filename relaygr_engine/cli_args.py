@@ -18,7 +18,8 @@ import re
 from typing import NoReturn, Optional, Sequence
 
 __all__ = ["ArgumentParser", "HelpFormatter", "Number", "COUNT", "POSITIVE_INT", "NON_NEGATIVE", "POSITIVE",
-           "NumberList", "POSITIVE_INTS", "existing_file", "json_object", "device", "ChoiceList", "require_modules"]
+           "NumberList", "POSITIVE_INTS", "existing_file", "json_object", "device", "ChoiceList", "require_modules",
+           "add_model_arguments", "model_shape"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -172,6 +173,38 @@ def require_modules(parser: argparse.ArgumentParser, modules: Sequence[str], ext
     if missing:
         parser.error(f"{why} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
                      f"installed: pip install 'relaygr-engine[{extra}]'")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-size options every benchmark shares: ``--model PRESET`` (one of
+    :data:`relaygr_engine.models.presets.PRESETS`) and ``--layers/--hidden/--heads/--head-dim/--dtype`` replacing
+    its sizes; :func:`model_shape` resolves them."""
+    from .models.presets import PRESETS, ModelPreset
+
+    names = ", ".join(f"{p.value} ({s.describe()})" for p, s in PRESETS.items())
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=ModelPreset.SMALL.value, choices=[p.value for p in ModelPreset],
+                   help=f"model size preset: {names}")
+    g.add_argument("--layers", type=POSITIVE_INT, help="layers (default: the preset's)")
+    g.add_argument("--hidden", type=POSITIVE_INT,
+                   help="hidden width (default: the preset's, or --heads x --head-dim when either is given)")
+    g.add_argument("--heads", type=POSITIVE_INT, help="attention heads (default: the preset's)")
+    g.add_argument("--head-dim", type=POSITIVE_INT, help="head dimension (default: the preset's)")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="weights and KV pages (default: the preset's)")
+
+
+def model_shape(parser: argparse.ArgumentParser, args):
+    """The :class:`~relaygr_engine.models.presets.ModelShape` the options of :func:`add_model_arguments` name;
+    a size the shape refuses is a usage error naming its flag."""
+    from .models.presets import shape_of
+
+    try:
+        return shape_of(args.model, num_layers=args.layers, hidden_dim=args.hidden, num_heads=args.heads,
+                        head_dim=args.head_dim, dtype=args.dtype)
+    except ValueError as e:
+        parser.error(in_flags(parser, str(e).replace("num_layers", "layers").replace("hidden_dim", "hidden")
+                              .replace("num_heads", "heads")))
 
 
 def in_flags(parser: argparse.ArgumentParser, message: str) -> str:

@@ -16,21 +16,20 @@ warm-up captured them: ``graph_gain`` is eager cached over graph cached. With ``
 whole model compiled (``torch.compile(fullgraph=True, dynamic=True)``: the engines with ``compile_model=True``,
 ``full`` through the compiled dense forward); the warm-up compiles and is not timed. NVIDIA's shape with both::
 
-    relaygr bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 --page-size 64 \
+    relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 \
         --lengths 4096 --new 128 --candidates 256 --compile --cuda-graphs
 
-Model: HSTU (or ``--attention softmax``), ``--layers`` layers (default 2) of ``--heads`` heads x ``--head-dim``
-(default 2 x 32, hidden = heads x head dim), ``--dtype`` (default float32; the KV pages use the same dtype).
-NVIDIA's public HSTU inference shape (8 layers, 4 heads x 256, a 4096-token block with 3968 cached and 256
-candidates) is::
+Model: HSTU (or ``--attention softmax``) of the ``--model`` preset's size (default ``small``: 2 layers, hidden 64,
+2 heads x 32, float32), any of ``--layers/--hidden/--heads/--head-dim/--dtype`` replacing it (the KV pages use the
+model's dtype). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8 layers, 4 heads x 256, bf16; a
+4096-token block with 3968 cached and 256 candidates) is::
 
-    relaygr bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 --page-size 64 \
-        --lengths 4096 --new 128 --candidates 256
+    relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256
 
-    relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--layers N] [--new N] [--repeats N]
-                       [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--dtype D]
-                       [--heads H] [--head-dim D] [--page-size N] [--lengths L,L,...] [--candidates C,C,...]
-                       [--compile] [--cuda-graphs]
+    relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--new N] [--repeats N]
+                       [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--model PRESET]
+                       [--layers N] [--hidden N] [--heads H] [--head-dim D] [--dtype D] [--page-size N]
+                       [--lengths L,L,...] [--candidates C,C,...] [--compile] [--cuda-graphs]
 """
 from __future__ import annotations
 
@@ -40,10 +39,10 @@ from typing import Optional
 import torch
 
 from ..batch import RelayBatch
-from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS
-from ..config import CacheConfig, resolve_dtype
+from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS, add_model_arguments, model_shape
+from ..config import CacheConfig
 from ..engine import RelayEngine
-from ..models import GRModelConfig, build_ranker
+from ..models import build_ranker
 from .common import emit_result, environment, percentile, synthetic_history
 
 LENGTHS = (256, 1024, 4096)
@@ -66,7 +65,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: L in {256, 1024}, C = 64, 1 repeat")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     ap.add_argument("--attention", default="hstu", choices=["hstu", "softmax"])
-    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new", type=int, default=16, help="history tokens not in the cached prefix (default 16)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
@@ -76,16 +74,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"history lengths (default {','.join(map(str, LENGTHS))})")
     ap.add_argument("--candidates", type=POSITIVE_INTS, default=None, metavar="C,C,...",
                     help=f"candidate counts (default {','.join(map(str, CANDIDATES))})")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="model and KV dtype (default float32)")
-    ap.add_argument("--heads", type=POSITIVE_INT, default=2, help="attention heads (default 2)")
-    ap.add_argument("--head-dim", type=POSITIVE_INT, default=32, help="head dimension (default 32)")
     ap.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per KV page (default 16)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="also time recompute and cached through CUDA graphs (a CUDA device, the Triton backend)")
     ap.add_argument("--compile", action="store_true",
                     help="run the whole model compiled on every path (torch.compile, fullgraph, dynamic shapes)")
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
+    shape = model_shape(ap, args)
     if args.cuda_graphs and (args.device == "cpu" or args.backend == "torch"):
         ap.error("--cuda-graphs needs --device cuda and the Triton backend (--backend auto or triton)")
     if args.threads:
@@ -96,11 +92,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     repeats = 1 if args.quick else max(1, args.repeats)
     device = torch.device(args.device)
 
-    dtype, ps = resolve_dtype(args.dtype), args.page_size
-    hidden = args.heads * args.head_dim
-    cfg = GRModelConfig(attention=args.attention, num_layers=args.layers, hidden_dim=hidden, num_heads=args.heads,
-                        head_dim=args.head_dim, num_items=10_000, num_actions=4, max_seq_len=max(lengths),
-                        num_tasks=2)
+    dtype, ps = shape.torch_dtype, args.page_size
+    cfg = shape.config(attention=args.attention, num_items=10_000, num_actions=4, max_seq_len=max(lengths),
+                       num_tasks=2)
     model = build_ranker(cfg, seed=0, device=device, dtype=dtype)
     pages = sum(-(-L // ps) for L in lengths) + 16
     cache = CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype, max_pinned_fraction=1.0,
@@ -115,8 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model.check_inputs(hist, c)
         return full_model(RelayBatch.full(hist, c, device=device))
     env = environment(str(device))
-    print(f"relaygr bench rank: {args.attention}, {args.layers} layers, hidden {hidden}, {args.heads} heads x "
-          f"{args.head_dim}, {args.dtype}, page {ps}, "
+    print(f"relaygr bench rank: {args.attention}, {args.model} model: {shape.describe()}, page {ps}, "
           f"{env['device_name']}, {env['threads']} threads, prefix = L - {args.new}, "
           f"{'compiled' if args.compile else 'eager'}, "
           f"median of {repeats} (after a warm-up)")
@@ -183,8 +176,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     fallbacks = sum(e.stats()["compile_failures"] for e in (engine, graphed) if e is not None)
     if fallbacks:
         print(f"note: {fallbacks} engine(s) could not compile the model and ran it eagerly")
-    result.update(max_abs_diff=worst, compiled=args.compile and not fallbacks, attention=args.attention, layers=args.layers, heads=args.heads,
-                  head_dim=args.head_dim, dtype=args.dtype, device=str(device), threads=env["threads"])
+    result.update(max_abs_diff=worst, compiled=args.compile and not fallbacks, attention=args.attention,
+                  model=args.model, layers=shape.num_layers, hidden=shape.hidden_dim, heads=shape.num_heads,
+                  head_dim=shape.head_dim, dtype=shape.dtype, kv_bytes_per_token=shape.kv_bytes_per_token,
+                  device=str(device), threads=env["threads"])
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))
     return 0
 

@@ -35,10 +35,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, ChoiceList, device,
-                        existing_file, require_modules)
+from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, ChoiceList,
+                        add_model_arguments, device, existing_file, require_modules)
 from . import report as rpt
-from . import slo_workers
+from . import slo_setup, slo_workers
 from .common import exceed_count
 from .serving import BaselineImpl, Mode, cpu_timer, simulate
 from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
@@ -125,11 +125,14 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                         "not measured, so the caches are in their steady state (default: 2 x --requests, 1 x with "
                         "the quick settings; with 2 x the share of measured requests whose user has no earlier "
                         "request falls to ~15-20%%, near the ~6-8%% it converges to)")
-    g.add_argument("--candidates", type=POSITIVE_INT, default=64, help="candidates per ranking request")
-    g.add_argument("--length-scale", type=POSITIVE, default=8.0,
-                   help="history tokens per real behavior (real logs are short: MovieLens median 70)")
-    g.add_argument("--max-history", type=POSITIVE_INT, default=2048,
-                   help="history cap in tokens (oldest dropped) of the throughput workload")
+    g.add_argument("--candidates", type=POSITIVE_INT,
+                   help="candidates per ranking request " + slo_setup._help("candidates"))
+    g.add_argument("--length-scale", type=POSITIVE,
+                   help="history tokens per real behavior (real logs are short: MovieLens median 70) "
+                        + slo_setup._help("length_scale"))
+    g.add_argument("--max-history", type=POSITIVE_INT,
+                   help="history cap in tokens (oldest dropped) of the throughput workload "
+                        + slo_setup._help("max_history"))
     g.add_argument("--trim-tokens", type=POSITIVE_INT,
                    help="a history over the cap loses its oldest tokens in blocks of this many, so a user's "
                         "consecutive requests share their prefix (default: a quarter of the cap; 1: slide by one "
@@ -148,10 +151,14 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--modes", type=ChoiceList(Mode), default=f"{Mode.BASELINE.value},{Mode.RELAY.value}",
                    metavar="MODE[,MODE...]",
                    help=f"comma-separated modes from {', '.join(m.value for m in Mode)} (baseline is always run)")
-    g.add_argument("--hbm-mb", type=POSITIVE, default=64.0, help="device KV cache budget (MiB)")
-    g.add_argument("--dram-mb", type=NON_NEGATIVE, default=256.0, help="DRAM expander budget of mode relay (MiB)")
+    g.add_argument("--hbm-mb", type=POSITIVE,
+                   help="device KV cache budget (MiB) (default: 64 on the CPU; on CUDA 16 GiB, at most a fifth of "
+                        "the device's memory)")
+    g.add_argument("--dram-mb", type=NON_NEGATIVE,
+                   help="DRAM expander budget of mode relay (MiB) (default: 256 on the CPU, --hbm-mb on CUDA)")
     g.add_argument("--lease-ms", type=POSITIVE, default=1000.0, help="pre-infer lease (relay window)")
-    g.add_argument("--chunk-tokens", type=COUNT, default=256, help="pre-infer chunk (0: whole prefix at once)")
+    g.add_argument("--chunk-tokens", type=COUNT,
+                   help="pre-infer chunk (0: whole prefix at once) " + slo_setup._help("chunk_tokens"))
     g.add_argument("--trigger-margin", type=NON_NEGATIVE, default=0.1,
                    help="pre-infer when predicted full inference > margin * SLO")
     g.add_argument("--no-trigger", action="store_true", help="pre-infer every request the cache can take")
@@ -167,10 +174,9 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                         "perf_counter; 'auto' = cpu where valid, else wall")
     g.add_argument("--device", type=device, default="cpu", help="torch device of the model and cache")
     g.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch intra-op threads (one worker)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="serve every mode's ranking forwards through CUDA graphs (RelayEngine(cuda_graphs=True); "
-                        "the baseline through a cache-less engine; needs a CUDA --device and --baseline paged)")
     slo_workers.add_arguments(ap)
+    slo_setup.add_arguments(ap)
+    add_model_arguments(ap)
     g = ap.add_argument_group("search")
     g.add_argument("--qps-start", type=POSITIVE, help="first QPS of the sweep (default: from the calibration)")
     g.add_argument("--ref-qps", type=POSITIVE, help="QPS of the max-length search and the per-mode details "
@@ -178,9 +184,9 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--rel-tol", type=POSITIVE, help="QPS bisection tolerance (relative) " + preset("rel_tol"))
     g.add_argument("--len-step", type=POSITIVE_INT,
                    help="history length resolution of the max-length search " + preset("len_step"))
-    g.add_argument("--max-len-hi", type=POSITIVE_INT, default=4096,
+    g.add_argument("--max-len-hi", type=POSITIVE_INT,
                    help="longest history the max-length search tries (the model's max_seq_len is the larger of "
-                        "this and --max-history)")
+                        "this and --max-history) " + slo_setup._help("max_len_hi"))
     g.add_argument("--repeats", type=POSITIVE_INT, default=3,
                    help="runs of a point whose P99 lies within --noise-band of the SLO (the majority decides)")
     g.add_argument("--noise-band", type=NON_NEGATIVE, default=0.25,
@@ -212,6 +218,7 @@ def apply_settings(args) -> None:
             setattr(args, key, value)
     if args.warmup_requests is None:
         args.warmup_requests = (1 if args.quick else 2) * args.requests
+    slo_setup.apply_defaults(args)
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
@@ -221,9 +228,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.timer == "cpu" and not _cpu_timer_ok(args):
         parser.error(f"--timer cpu needs --device cpu and --threads 1 (the job's compute on this thread), got "
                      f"--device {args.device} --threads {args.threads}")
-    if args.cuda_graphs and (not str(args.device).startswith("cuda") or args.baseline != "paged"):
-        parser.error(f"--cuda-graphs needs a CUDA --device and --baseline paged, got --device {args.device} "
-                     f"--baseline {args.baseline}")
+    slo_setup.check(parser, args)
     if args.candidates > args.num_items:
         parser.error(f"--candidates ({args.candidates}) must be <= --num-items ({args.num_items})")
     if not args.no_max_len and args.len_step > args.max_len_hi:
@@ -276,14 +281,6 @@ def load_log(args) -> tuple[InteractionLog, str]:
                  f"{prof['num_users']} users; {len(log)} events drawn)")
 
 
-def _model_config(args, num_items: int, num_actions: int):
-    from ..models import GRModelConfig
-
-    return GRModelConfig(attention="hstu", num_layers=2, hidden_dim=64, num_heads=2, head_dim=32,
-                         num_items=num_items, num_actions=num_actions,
-                         max_seq_len=max(args.max_history, args.max_len_hi), num_tasks=2)
-
-
 def calibrate_latency(model, num_candidates: int, max_len: int, device: str, repeats: int = 3,
                       impl: str = "paged", timer=time.perf_counter):
     """Fit the trigger's latency model on the baseline's full inference of this model (a few seconds).
@@ -308,6 +305,7 @@ def calibrate_latency(model, num_candidates: int, max_len: int, device: str, rep
         rank(h, torch.randint(0, cfg.num_items, (C,), generator=g).to(device))
 
     grid = (32, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    grid += tuple(4096 << k for k in range(1, max(0, (max_len - 1) // 4096).bit_length() + 1))  # production lengths
     lengths = sorted({min(max_len, x) for x in grid})
     return calibrate(fn, lengths, [num_candidates], repeats, warmup=1, quantile=0.75, timer=timer, device=device,
                      meta={"model": "benchmark model", "candidates": num_candidates, "baseline": impl})
@@ -443,8 +441,6 @@ def run(args, log: InteractionLog, source: str) -> dict:
     by ``source``); return the report dict, written to ``args.out``."""
     import torch
 
-    from ..models import build_ranker
-
     t_start = time.perf_counter()
     load_start = _loadavg()
     modes = list(args.modes)
@@ -455,8 +451,10 @@ def run(args, log: InteractionLog, source: str) -> dict:
     out = Console(_wants_progress(args))
 
     num_actions = 6 if log.action_kind != "none" else 1
-    model = build_ranker(_model_config(args, num_items=args.num_items, num_actions=num_actions), seed=args.seed,
-                         device=args.device)
+    model = slo_setup.build_model(args, num_items=args.num_items, num_actions=num_actions)
+    out.say(f"model: {args.model}: {args.shape.describe()}; HBM budget {args.hbm_mb:g} MiB "
+            f"({int(args.hbm_mb * 2**20) // args.shape.kv_bytes_per_token} tokens), CUDA graphs "
+            f"{'on' if args.cuda_graphs else 'off'}, compiled {'yes' if args.compile else 'no'} (both sides)")
     out.say(f"workload: {source}")
     t0 = time.perf_counter()
     timer, timer_name = _timer(args)
@@ -641,15 +639,17 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
 
     cfg = model.config
     d = wl.describe(qps=ref_qps)
+    extra = slo_setup.describe(args)
     return {
         "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "baseline": (f"{args.baseline}: " + ("model.rank_uncached (the engine's attention op, no cache)"
                                              if args.baseline == "paged" else "model.rank_full (dense oracle)")),
         "service_time_clock": _timer(args)[1],
-        "model": {"attention": cfg.attention.value, "num_layers": cfg.num_layers, "hidden_dim": cfg.hidden_dim,
-                  "num_heads": cfg.num_heads, "head_dim": cfg.head_dim, "num_items": cfg.num_items,
-                  "num_actions": cfg.num_actions, "max_seq_len": cfg.max_seq_len},
-        "cache": {"page_size": 16, "hbm_mb": args.hbm_mb, "dram_mb_relay": args.dram_mb,
+        "model": dict({"attention": cfg.attention.value, "num_layers": cfg.num_layers, "hidden_dim": cfg.hidden_dim,
+                       "num_heads": cfg.num_heads, "head_dim": cfg.head_dim, "num_items": cfg.num_items,
+                       "num_actions": cfg.num_actions, "max_seq_len": cfg.max_seq_len}, **extra["model"]),
+        "execution": extra["execution"],
+        "cache": {"page_size": args.page_size, "hbm_mb": args.hbm_mb, "dram_mb_relay": args.dram_mb,
                   "lease_ms": args.lease_ms, "chunk_tokens": args.chunk_tokens,
                   "store_misses": not args.no_store_misses, "cuda_graphs": args.cuda_graphs},
         "trigger": ("off (every pre-infer the cache can take)" if args.no_trigger else
@@ -672,7 +672,7 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
 
 
 def _notes(args, results, relay_mode) -> list[str]:
-    notes = []
+    notes = slo_setup.fairness_notes(results)
     if "relay" in results:
         dram = results["relay"]["at_ref"]["engine_stats"].get("dram_hits", 0)
         if dram == 0:

@@ -84,13 +84,14 @@ def _relay(bench, dram_mb: float, trigger: bool, chunk_tokens: int, store_misses
     from ..policy import SequenceAwareTrigger, TriggerConfig
 
     a = bench.args
-    cc = CacheConfig(device=a.device, page_size=16, hbm_bytes=int(a.hbm_mb * 2**20), lease_ttl_s=a.lease_ms / 1e3,
-                     dram_bytes=int(dram_mb * 2**20))
+    cc = CacheConfig(device=a.device, page_size=a.page_size, dtype=a.shape.torch_dtype,
+                     hbm_bytes=int(a.hbm_mb * 2**20), lease_ttl_s=a.lease_ms / 1e3, dram_bytes=int(dram_mb * 2**20))
     hook = None
     if trigger and not a.no_trigger:
         hook = TriggerHook(SequenceAwareTrigger(bench.lat, TriggerConfig(
             slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)))
-    engine = RelayEngine(bench.model, cc, trigger=hook, store_misses=store_misses, cuda_graphs=a.cuda_graphs)
+    engine = RelayEngine(bench.model, cc, trigger=hook, store_misses=store_misses, cuda_graphs=a.cuda_graphs,
+                         compile_model=a.compile)
     return RelayService(engine, hook, chunk_tokens=chunk_tokens, device=a.device)
 
 
@@ -99,8 +100,8 @@ def build(bench, mode: str, trigger: bool = True) -> list[Worker]:
     a, K = bench.args, bench.args.workers
     store = not a.no_store_misses
     if mode == Mode.BASELINE.value:
-        return [Worker(BaselineService(bench.model, a.device, impl=a.baseline, cuda_graphs=a.cuda_graphs))
-                for _ in range(K)]
+        return [Worker(BaselineService(bench.model, a.device, impl=a.baseline, cuda_graphs=a.cuda_graphs,
+                                       compile_model=a.compile, page_size=a.page_size)) for _ in range(K)]
     P = disagg_p(mode)
     if P is None:
         dram = a.dram_mb if mode == Mode.RELAY.value else 0.0

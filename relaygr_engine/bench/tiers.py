@@ -18,7 +18,7 @@ import torch
 
 import relaygr_engine as rg
 
-from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser
+from ..cli_args import POSITIVE_INT, POSITIVE_INTS, ArgumentParser, add_model_arguments, model_shape
 from ..cli_args import device as device_arg
 from .common import emit_result, environment, median_time, synthetic_history
 
@@ -86,32 +86,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = ArgumentParser(prog="relaygr bench tiers", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                    help="KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--lengths", type=POSITIVE_INTS, default=[256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--candidates", type=POSITIVE_INT, default=64)
     ap.add_argument("--page-size", type=POSITIVE_INT, default=16)
-    ap.add_argument("--layers", type=POSITIVE_INT, default=2, help="HSTU layers (default 2)")
-    ap.add_argument("--heads", type=POSITIVE_INT, default=2, help="attention heads (default 2)")
-    ap.add_argument("--head-dim", type=POSITIVE_INT, default=32,
-                    help="head dimension (default 32; hidden = heads x head dim)")
     ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
     ap.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 256,1024, two repeats")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
+    shape = model_shape(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = shape.dtype
     lengths = [256, 1024] if args.quick else args.lengths
     repeats = 2 if args.quick else args.repeats
-    cfg = rg.GRModelConfig(attention="hstu", num_layers=args.layers, hidden_dim=args.heads * args.head_dim,
-                           num_heads=args.heads, head_dim=args.head_dim,
-                           num_items=10000, num_actions=4, max_seq_len=max(lengths) + NEW_TOKENS, num_tasks=2)
-    model = rg.build_ranker(cfg, seed=0, device=device)
-    if dtype != "float32":
-        model = model.to(rg.config.resolve_dtype(dtype))
+    cfg = shape.config(num_items=10000, num_actions=4, max_seq_len=max(lengths) + NEW_TOKENS, num_tasks=2)
+    model = rg.build_ranker(cfg, seed=0, device=device, dtype=shape.torch_dtype)
     cands = torch.randint(0, cfg.num_items, (args.candidates,), generator=torch.Generator().manual_seed(0))
     env = environment(str(device))
     print(f"relaygr bench tiers on {env['device_name']} ({device}, {dtype}, {torch.get_num_threads()} threads): "

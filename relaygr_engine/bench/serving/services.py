@@ -119,16 +119,19 @@ class BaselineService:
     wants_prefill = False
     stateless = True  # no state carries from one request to the next: warm-up requests need not run
 
-    def __init__(self, model, device: str = "cpu", impl: str = "paged", cuda_graphs: bool = False) -> None:
-        from ...config import parse_choice
+    def __init__(self, model, device: str = "cpu", impl: str = "paged", cuda_graphs: bool = False,
+                 compile_model: bool = False, page_size: int = 16) -> None:
+        from ...config import check_int, parse_choice
 
         self.model = model
         self.impl = parse_choice(BaselineImpl, impl, "impl")
-        if cuda_graphs and self.impl is not BaselineImpl.PAGED:
-            raise ValueError(f"cuda_graphs applies to impl='paged', got impl={self.impl.value!r}")
-        self.cuda_graphs = cuda_graphs
+        for name, on in (("cuda_graphs", cuda_graphs), ("compile_model", compile_model)):
+            if on and self.impl is not BaselineImpl.PAGED:
+                raise ValueError(f"{name} applies to impl='paged', got impl={self.impl.value!r}")
+        self.cuda_graphs, self.compile_model = cuda_graphs, compile_model
+        self.page_size = check_int("page_size", page_size, 1)
         self._rank = model.rank_uncached if self.impl is BaselineImpl.PAGED else model.rank_full
-        if cuda_graphs:  # through the cache-less engine, whose forwards are graphed like the relay's
+        if cuda_graphs or compile_model:  # through the cache-less engine, graphed / compiled like the relay's
             self._rank = (lambda h, c, request_time: self._uncached().rank_with_prefix(0, h, c,
                                                                                        request_time=request_time).scores)
         self._t = _Tensors(device)
@@ -169,16 +172,18 @@ class BaselineService:
             from ...config import CacheConfig
             from ...engine import RelayEngine
 
-            cache = CacheConfig(device=self._t.device, page_size=16, num_pages=1)
+            dtype = next(self.model.parameters()).dtype
+            cache = CacheConfig(device=self._t.device, page_size=self.page_size, num_pages=1, dtype=dtype)
             self._engine = RelayEngine(self.model, cache, extend_on_rank=False, store_misses=False,
-                                       cuda_graphs=self.cuda_graphs)
+                                       cuda_graphs=self.cuda_graphs, compile_model=self.compile_model)
         return self._engine
 
     def prefill(self, req: Request, now: float) -> PrefillOutcome:
         raise AssertionError("the baseline never pre-infers")
 
     def stats(self) -> dict:
-        return {}
+        """The cache-less engine's counters (graph and compile ones among them) once it exists, else nothing."""
+        return {} if self._engine is None else dict(self._engine.stats())
 
 
 def cpu_timer() -> float:
