@@ -105,11 +105,12 @@ def _key_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
 
 # ------------------------------------------------------------------------------------------------ key blocks
 @triton.jit
-def _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale,
+def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale,
             HSTU: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key block into the running state: ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``."""
+    """One key block's scores ``s = q @ k.T`` ``[BLOCK_M, N]`` and values ``v [N, BLOCK_D]`` into the running state:
+    ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``. (The caller computes the bias after the score
+    product, so that its loads and integer work overlap the tensor cores.)"""
     LOG2E: tl.constexpr = 1.4426950408889634
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HSTU:
         if HAS_BIAS:
             s = s * scale + bias
@@ -133,21 +134,29 @@ def _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale,
 
 
 @triton.jit
-def _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, start, hi, offs_n, offs_d, head_off,
+def _page_ids(kv_indices_ptr, page_lo, start, hi, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page of cached tokens ``start + offs_n`` (``start`` a multiple of ``BLOCK_N``): one scalar when
+    ``BLOCK_N`` divides the page, else one per token; tokens ``>= hi`` (a block past the chunk) read page 0."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE, mask=start < hi, other=0).to(tl.int64)
+    else:
+        kpos = start + offs_n
+        return tl.load(kv_indices_ptr + page_lo + kpos // PAGE_SIZE, mask=kpos < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off,
                 stride_page, stride_kv, stride_slot, stride_ts_page,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 HAS_TS: tl.constexpr, MASKED: tl.constexpr):
-    """K, V ``[BLOCK_N, BLOCK_D]`` and (``HAS_TS``) timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n``
-    (``start`` a multiple of ``BLOCK_N``; with ``MASKED`` those ``>= hi`` read as zeros)."""
+    """K, V ``[BLOCK_N, BLOCK_D]`` and (``HAS_TS``) timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n`` in
+    ``page`` (:func:`_page_ids`); with ``MASKED`` those ``>= hi`` read as zeros."""
     kpos = start + offs_n
-    if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id
-        page = tl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+    if PAGE_SIZE % BLOCK_N == 0:
         slot = start % PAGE_SIZE + offs_n
-        row = page * stride_page + slot * stride_slot
     else:
-        page = tl.load(kv_indices_ptr + page_lo + kpos // PAGE_SIZE, mask=kpos < hi, other=0).to(tl.int64)
         slot = kpos % PAGE_SIZE
-        row = page * stride_page + slot * stride_slot
+    row = page * stride_page + slot * stride_slot
     off = head_off + row[:, None] + offs_d[None, :]
     if MASKED:
         mask = (kpos < hi)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -261,25 +270,31 @@ def prefix_attention_kernel(
         lo = split * split_len
         hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+        # The page ids run one block ahead (loop-carried), so their load's latency hides behind a block's work.
         head_off = head * stride_head
+        page = _page_ids(kv_indices_ptr, page_lo, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
         for start in range(lo, full_hi, BLOCK_N):
-            k, v, t_k = _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, start, hi, offs_n, offs_d,
-                                    head_off, stride_page, stride_kv, stride_slot, stride_ts_page,
-                                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, False)
+            page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
+            k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page,
+                                    stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    HAS_TS, False)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
                              TS_ABS) if BIAS else 0.0
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, 0, scale, qk_scale, HSTU, BIAS, False,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, 0, scale, qk_scale, HSTU, BIAS, False,
                                     DOT_PRECISION)
-        if full_hi < hi:
-            k, v, t_k = _load_pages(kv_ptr, kv_indices_ptr, ts_cache_ptr, page_lo, full_hi, hi, offs_n, offs_d,
-                                    head_off, stride_page, stride_kv, stride_slot, stride_ts_page,
-                                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, True)
+            page = page_next
+        if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
+            k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, full_hi, hi, offs_n, offs_d, head_off, stride_page,
+                                    stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    HAS_TS, True)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             bias = _key_bias(q_pos, full_hi + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
                              TS_ABS) if BIAS else 0.0
             visible = (full_hi + offs_n < hi)[None, :]
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
                                     DOT_PRECISION)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
@@ -293,6 +308,7 @@ def prefix_attention_kernel(
             k_ok = idx < n_end
             k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d,
                                    k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             bias = _key_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
                              TS_ABS) if BIAS else 0.0
@@ -300,7 +316,7 @@ def prefix_attention_kernel(
                 visible = k_ok[None, :]
             else:
                 visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
                                     DOT_PRECISION)
 
         # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
@@ -308,10 +324,11 @@ def prefix_attention_kernel(
             if live & (split == 0):
                 k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, k_head, v_head, stride_kt,
                                        stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 bias = _rel_bias(q_pos, q_pos, t_q, t_q, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                                  num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
                 visible = (offs_m[:, None] == offs_m[None, :]) & row_ok[None, :]
-                acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
+                acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
                                         DOT_PRECISION)
 
         if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)

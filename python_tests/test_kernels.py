@@ -489,7 +489,10 @@ def check(k, name):
 for persistent in (False, True):
     k = check(compile_attention("softmax", 128, 128, 64, num_warps=8, num_stages=2, persistent=persistent), "softmax")
     assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
-    check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent), "hstu")
+    assert "cp.async" in k.asm["ptx"]  # K/V blocks copied asynchronously into shared memory (pipelined)
+    for cand in (False, True):
+        check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent,
+                                cand_tiles=cand), "hstu")
 check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
 regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
 assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
@@ -545,6 +548,37 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
     assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
     bad = subprocess.run(cmd[:5] + ["--modes", "flash"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--modes must name" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path):
+    """``relaygr bench ptxas --defaults``: exactly the configs the CUDA launcher can pick (rows per tile kind from
+    ``pick_config``, autotune configs after ``prune_configs``), each spill-free, with its SASS instruction mix: tensor
+    cores and asynchronous K/V copies in the key loop."""
+    import importlib.util
+    import subprocess
+
+    from relaygr_engine.kernels import _prefix_kernel as K
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
+           "--json", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
+    rows = json.loads(path.read_text())["rows"]
+    expect = {(m, c, len(K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=64, HSTU=m != "softmax", CAND_TILES=c)))
+              for m in ("softmax", "hstu", "hstu-nobias") for c in (False, True)}
+    got = {(r["config"]["mode"], r["config"]["cand_tiles"]) for r in rows}
+    assert got == {(m, c) for m, c, _ in expect} and len(rows) == sum(n for *_, n in expect)
+    assert int(result["default_configs"]) == sum(n for m, _, n in expect if m != "hstu-nobias")
+    assert result["default_spilling"] == "0" and float(result["bias_instr_ratio_cand"]) > 1.0
+    for r in rows:
+        assert r["config"]["block_m"] == (K.CUDA_BLOCK_M if r["config"]["cand_tiles"] else K.CUDA_HIST_BLOCK_M)
+        assert r["spill_store_bytes"] == 0 and r["fits"] and r["loop"]["mma"] > 0 and r["loop"]["async_copies"] > 0
 
 
 # ------------------------------------------------------------------------------------------------ bench smoke

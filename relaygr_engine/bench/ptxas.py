@@ -1,16 +1,24 @@
-"""``relaygr bench ptxas``: registers, spills and shared memory of the prefix-attention kernel's configs, no GPU needed.
+"""``relaygr bench ptxas``: registers, spills, shared memory and instruction mix of the prefix-attention kernel's
+configs, no GPU needed.
 
-Each config (mode, head dim, ``BLOCK_M``, ``BLOCK_N``, warps, stages, persistent or not) is compiled by Triton for an
-NVIDIA target (default ``sm_90``, the H100/H200) and assembled by the ptxas Triton ships, whose ``-v`` report gives
-the registers per thread and the bytes spilled to local memory; Triton's metadata gives the shared memory a program
-asks for. These are static facts of the compiled code, not timings: a config that spills pays local-memory traffic
-in its inner loop, and one whose shared memory exceeds the target's per-block limit cannot launch. The tile rule in
-``kernels/prefix_attention.py`` (``pick_config``, ``CUDA_CONFIGS``) is chosen from this report.
+Each config (mode, head dim, tile kind, ``BLOCK_M``, ``BLOCK_N``, warps, stages, persistent or not) is compiled by
+Triton for an NVIDIA target (default ``sm_90``, the H100/H200), specialised as a launch would be (aligned pointers,
+shape-fixed strides known multiples of 16), and assembled by the ptxas Triton ships, whose ``-v`` report gives the
+registers per thread and the bytes spilled to local memory; Triton's metadata gives the shared memory a program asks
+for; ``nvdisasm`` gives the SASS instruction mix (:mod:`relaygr_engine.bench.sass`): all instructions, tensor-core
+MMAs, synchronous global loads, asynchronous copies and shuffles, of the whole kernel and of its key loop. These are
+static facts of the compiled code, not timings: a config that spills pays local-memory traffic in its inner loop,
+and one whose shared memory exceeds the target's per-block limit cannot launch.
+
+``--defaults`` compiles exactly the configs the launcher can run on CUDA (``pick_config``'s tile rows per kind,
+``CUDA_CONFIGS`` after ``prune_configs``) for head dims 64, 128 and 256, softmax and HSTU with both in-kernel biases,
+plus HSTU without biases to measure what the biases cost; the grid flags pick any other set.
 
 Runs on any machine whose Triton has the NVIDIA backend (the PyPI wheel does); nothing is launched.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -24,8 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..cli_args import ArgumentParser, POSITIVE_INTS
+from .sass import Mix, instruction_mix
 
-__all__ = ["Build", "compile_attention", "compile_kernel", "ptxas_report", "main"]
+__all__ = ["Build", "compile_attention", "compile_kernel", "default_grid", "ptxas_report", "main"]
 
 # Shared memory one program may opt into, per compute capability (bytes; CUDA programming guide, "Technical
 # Specifications per Compute Capability").
@@ -33,21 +42,31 @@ SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 
 
 @dataclass(frozen=True)
-class Build:
-    """One compiled config and what ptxas reported for it."""
+class Config:
+    """One config to compile: ``mode`` is ``softmax``, ``hstu`` (both biases) or ``hstu-nobias``."""
 
     mode: str
     head_dim: int
+    cand_tiles: bool
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    persistent: bool
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled config and what ptxas and nvdisasm report for it."""
+
+    config: Config
     registers: int
     spill_store_bytes: int
     spill_load_bytes: int
     shared_bytes: int
     fits: bool             # shared memory within the target's per-block limit
+    sass: Mix              # the whole kernel
+    loop: Mix              # its key loop
     compile_s: float
 
 
@@ -146,26 +165,75 @@ def ptxas_report(ptx: str, arch: int = 90) -> tuple[int, int, int]:
     return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
 
 
-def build(mode, head_dim, block_m, block_n, num_warps, num_stages, persistent, *, page_size=64, dtype="bf16",
-          arch=90, smem_limit: Optional[int] = None) -> Build:
-    """Compile one config and read its resources."""
+def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optional[int] = None) -> Build:
+    """Compile one config and read its resources and instruction mix."""
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kernel = compile_attention(mode, head_dim, block_m, block_n, num_warps=num_warps, num_stages=num_stages,
-                                   persistent=persistent, page_size=page_size, dtype=dtype, arch=arch)
+        kernel = compile_attention(cfg.mode.split("-")[0], cfg.head_dim, cfg.block_m, cfg.block_n,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
+                                   page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
+                                   bias=cfg.mode == "hstu")
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
+    whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
     limit = smem_limit or SMEM_LIMIT.get(arch, 49152)
-    return Build(mode, head_dim, block_m, block_n, num_warps, num_stages, persistent, regs, st, ld, smem,
-                 smem <= limit, time.perf_counter() - t0)
+    return Build(cfg, regs, st, ld, smem, smem <= limit, whole, loop, time.perf_counter() - t0)
+
+
+def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf16") -> list[Config]:
+    """The configs the launcher can run on CUDA: per head dim, mode and tile kind, ``pick_config``'s rows per tile
+    and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default)."""
+    import torch
+
+    from relaygr_engine.kernels import _prefix_kernel as K
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    grid = []
+    for mode, d, cand in itertools.product(modes, head_dims, (False, True)):
+        pick = K.pick_config(torch.device("cuda"), torch_dtype, d)
+        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, HSTU=mode.startswith("hstu"), CAND_TILES=cand)
+        grid += [Config(mode, d, cand, pick.block_m if cand else pick.hist_block_m, c.kwargs["BLOCK_N"], c.num_warps,
+                        c.num_stages) for c in kept]
+    return grid
+
+
+def _bias_ratios(rows: list[Build]) -> dict:
+    """HSTU-with-biases over HSTU-without instructions (whole kernel and key loop), max over the configs of each
+    tile kind, and per head dim for candidate tiles (``bias_instr_ratio_cand_d256``)."""
+    plain = {dataclasses.replace(b.config, mode="hstu"): b for b in rows if b.config.mode == "hstu-nobias"}
+    pairs = [(b, plain[b.config]) for b in rows if b.config.mode == "hstu" and b.config in plain]
+    groups = {"cand": [x for x in pairs if x[0].config.cand_tiles],
+              "hist": [x for x in pairs if not x[0].config.cand_tiles]}
+    for d in sorted({b.config.head_dim for b, _ in groups["cand"]}):
+        groups[f"cand_d{d}"] = [x for x in groups["cand"] if x[0].config.head_dim == d]
+    out = {}
+    for kind, group in groups.items():
+        if group:
+            out[f"bias_instr_ratio_{kind}"] = max(b.sass.instructions / p.sass.instructions for b, p in group)
+            out[f"bias_loop_ratio_{kind}"] = max(b.loop.instructions / max(p.loop.instructions, 1) for b, p in group)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _row(b: Build) -> str:
+    c, w, lp = b.config, b.sass, b.loop
+    return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
+            f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {b.registers:>5} "
+            f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
+            f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
+            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = ArgumentParser(prog="relaygr bench ptxas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90 = sm_90, H100/H200)")
-    ap.add_argument("--modes", default="softmax,hstu")
-    ap.add_argument("--head-dims", type=POSITIVE_INTS, default="64,128")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the configs the launcher runs on CUDA (head dims 64,128,256 unless --head-dims is given; "
+                         "the grid flags below are ignored)")
+    ap.add_argument("--modes", default="softmax,hstu", help="softmax, hstu (both biases), hstu-nobias")
+    ap.add_argument("--head-dims", type=POSITIVE_INTS, default=None, help="(64,128; 64,128,256 with --defaults)")
+    ap.add_argument("--tiles", choices=("cand", "hist", "both"), default="cand",
+                    help="compile the candidate-tile kernel, the history-tile one, or both (cand)")
     ap.add_argument("--block-m", type=POSITIVE_INTS, default="64,128")
     ap.add_argument("--block-n", type=POSITIVE_INTS, default="32,64,128")
     ap.add_argument("--warps", type=POSITIVE_INTS, default="4,8")
@@ -177,8 +245,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("softmax", "hstu") for m in modes):
-        ap.error(f"--modes must name 'softmax' and/or 'hstu', got {opts.modes!r}")
+    if not modes or any(m not in ("softmax", "hstu", "hstu-nobias") for m in modes):
+        ap.error(f"--modes must name 'softmax', 'hstu' and/or 'hstu-nobias', got {opts.modes!r}")
     try:
         _require_nvidia_backend()
     except RuntimeError as exc:
@@ -192,7 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import triton
 
     pers = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.persistent]
-    dims, bms, bns, warps, stages = opts.head_dims, opts.block_m, opts.block_n, opts.warps, opts.stages
+    dims = opts.head_dims or ([64, 128, 256] if opts.defaults else [64, 128])
+    bms, bns, warps, stages = opts.block_m, opts.block_n, opts.warps, opts.stages
     pow2 = lambda x, lo: x >= lo and not x & (x - 1)  # noqa: E731
     for name, values, ok, want in (("head-dims", dims, lambda d: 1 <= d <= 256, "in [1, 256]"),
                                    ("block-m", bms, lambda b: pow2(b, 16), "powers of two >= 16"),
@@ -202,26 +271,34 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    ("page-size", [opts.page_size], lambda p: p >= 1, ">= 1")):
         if not all(ok(v) for v in values):
             ap.error(f"--{name} must be {want}, got {values}")
-    grid = list(itertools.product(modes, dims, bms, bns, warps, stages, pers))
+    if opts.defaults:
+        grid = default_grid(dims, dtype=opts.dtype)
+    else:
+        kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
+        grid = [Config(*c) for c in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers)]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} page_size={opts.page_size} triton={triton.__version__} "
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
-    print(f"{'mode':<8} {'D':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
-          f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4}")
+    print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
+          f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
+          f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5}")
     rows = []
     for cfg in grid:
-        b = build(*cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch)
-        rows.append(b)
-        print(f"{b.mode:<8} {b.head_dim:>4} {b.block_m:>4} {b.block_n:>4} {b.num_warps:>5} {b.num_stages:>6} "
-              f"{'y' if b.persistent else 'n':>4} {b.registers:>5} {b.spill_store_bytes:>8} {b.spill_load_bytes:>8} "
-              f"{b.shared_bytes:>7} {'y' if b.fits else 'NO':>4}", flush=True)
+        rows.append(build(cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch))
+        print(_row(rows[-1]), flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(arch=opts.arch, dtype=opts.dtype, page_size=opts.page_size, triton=triton.__version__,
                            rows=[asdict(b) for b in rows]), f, indent=1)
     clean = [b for b in rows if b.fits and b.spill_store_bytes == 0]
-    print(f"RESULT arch=sm_{opts.arch} configs={len(rows)} spill_free={len(clean)} "
-          f"spilling={sum(b.spill_store_bytes > 0 for b in rows)} over_smem={sum(not b.fits for b in rows)} "
-          f"max_spill_bytes={max(b.spill_store_bytes for b in rows)} triton={triton.__version__}")
+    fields = dict(arch=f"sm_{opts.arch}", configs=len(rows), spill_free=len(clean),
+                  spilling=sum(b.spill_store_bytes > 0 for b in rows), over_smem=sum(not b.fits for b in rows),
+                  max_spill_bytes=max(b.spill_store_bytes for b in rows))
+    if opts.defaults:
+        default = [b for b in rows if b.config.mode != "hstu-nobias"]
+        fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
+                      default_over_smem=sum(not b.fits for b in default))
+    fields.update(_bias_ratios(rows))
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()) + f" triton={triton.__version__}")
     return 0
 
 

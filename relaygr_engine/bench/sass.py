@@ -1,0 +1,101 @@
+"""The instruction mix of a compiled kernel, read from its SASS with ``nvdisasm`` (shipped in Triton's wheel).
+
+Static facts, no GPU: how many instructions the kernel has, how many are tensor-core MMAs, synchronous global loads
+or asynchronous copies, shuffles, and the same for its key loop (the loop body with the most MMAs, where a paged
+attention kernel spends its time). ``relaygr bench ptxas`` prints them per config.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+__all__ = ["Mix", "disassemble", "instruction_mix", "nvdisasm_path"]
+
+_INSTR = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*)")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+`\((\.L_x_\d+)\)")
+_PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+MMA_OPS = ("HGMMA", "HMMA", "IMMA", "QGMMA")     # warp-group (sm_90) and warp-level tensor-core MMAs
+ASYNC_OPS = ("LDGSTS", "UTMALDG", "UBLKCP")     # cp.async and TMA copies into shared memory
+LOAD_OPS = ("LDG",)                             # synchronous global loads (into registers)
+SHUFFLE_OPS = ("SHFL",)
+
+
+def nvdisasm_path() -> str:
+    """The ``nvdisasm`` of Triton's NVIDIA backend."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(path):
+        raise RuntimeError(f"no nvdisasm at {path} (Triton's wheel ships it with the NVIDIA backend)")
+    return path
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
+    """``(address, text, labels)`` of each SASS instruction of ``cubin``: its text without the predicate, and the
+    labels that name its address (comma-separated, or ``""``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        proc = subprocess.run([nvdisasm_path(), "-c", path], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {proc.stderr.strip()[-400:]}")
+    out, pending = [], []
+    for line in proc.stdout.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            text = _PREDICATE.sub("", m.group(2))
+            out.append((int(m.group(1), 16), text, ",".join(pending)))
+            pending = []
+    return out
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Instruction counts of a whole kernel or of one loop body."""
+
+    instructions: int
+    mma: int
+    global_loads: int
+    async_copies: int
+    shuffles: int
+
+    @classmethod
+    def of(cls, ops: collections.Counter) -> "Mix":
+        count = lambda names: sum(ops[n] for n in names)  # noqa: E731
+        return cls(sum(ops.values()), count(MMA_OPS), count(LOAD_OPS), count(ASYNC_OPS), count(SHUFFLE_OPS))
+
+
+def _opcode(text: str) -> str:
+    return text.split()[0].split(".")[0] if text else ""
+
+
+def instruction_mix(cubin: bytes) -> tuple[Mix, Mix]:
+    """The mix of the whole kernel and of its key loop: the body of the backward branch (a loop) whose body holds
+    the most MMAs, ties to the first (an all-zero :class:`Mix` when no loop holds an MMA)."""
+    code = disassemble(cubin)
+    whole = Mix.of(collections.Counter(_opcode(t) for _, t, _ in code))
+    at = {}
+    for addr, _, labels in code:
+        for name in filter(None, labels.split(",")):
+            at[name] = addr
+    best, best_mma = Mix(0, 0, 0, 0, 0), 0
+    for addr, text, _ in code:
+        m = _BRANCH.search(text)
+        if not m or at.get(m.group(1), addr) >= addr:
+            continue
+        body = collections.Counter(_opcode(t) for a, t, _ in code if at[m.group(1)] <= a <= addr)
+        mix = Mix.of(body)
+        if mix.mma > best_mma:
+            best, best_mma = mix, mix.mma
+    return whole, best
