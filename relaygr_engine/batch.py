@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ._host import ship, to_device
+from ._host import ship
 from .behaviors import Behaviors
 
 __all__ = ["RelayBatch", "check_request", "request_time_of"]

@@ -8,6 +8,11 @@ a relay forward the pages, through the context set around the call (as vLLM's an
   works (inside a relay forward it does nothing).
 * :func:`paged_context` (relay): set by the engine. Each layer writes the new history rows' K/V into their pages
   and attends over the cached prefix pages with the batch's plan (built once for all layers).
+
+The contexts of a thread live on a thread-local stack, which TorchDynamo traces: a model compiled with
+``fullgraph=True`` enters :func:`batch_context` and its layers find their context without a graph break. A
+compiled graph reads only ``relay``, the batch (dense) and ``layer_index``/``kv_caches`` (relay); the page tables
+and plans are read by the ``relaygr::prefix_attention`` op's implementation (:mod:`relaygr_engine.relay_op`).
 """
 from __future__ import annotations
 

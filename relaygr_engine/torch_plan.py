@@ -257,7 +257,8 @@ def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int,
             if bias.dim() == 4:
                 bias = bias.sum(0)                                               # [1, M, K]
             a = F.silu(torch.baddbmm(bias, qp, keys.transpose(1, 2), alpha=scale), inplace=True)
-            o = torch.baddbmm(_zero(q.device, q.dtype), a, vals, beta=0.0, alpha=1.0 / hstu_norm)
+            zero = q.new_zeros(()) if torch.compiler.is_compiling() else _zero(q.device, q.dtype)
+            o = torch.baddbmm(zero, a, vals, beta=0.0, alpha=1.0 / hstu_norm)
         return o.transpose(0, 1)
     keys, vals = kv.view(2, B, K, H, D).transpose(2, 3).unbind(0)              # [B, H, K, D] each
     qp = q.index_select(0, qidx).view(B, M, H, D).transpose(1, 2)              # [B, H, M, D]
