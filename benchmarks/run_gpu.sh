@@ -45,6 +45,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a
 $PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
 step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
 step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
+# The kernel first: its RESULT has matmul_fraction_long_{softmax,hstu} beside the matmul rate of the same run.
+step kernels 900 $PY -m relaygr_engine.cli bench kernels --json "${OUT_DIR}/kernels.json"
+step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
@@ -60,9 +63,7 @@ step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --cuda-gra
 # the packaging tests (a fresh virtual environment) are left out.
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
 step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider
-step kernels 900 $PY -m relaygr_engine.cli bench kernels --block-m 64,128 --json "${OUT_DIR}/kernels.json"
 step kernels-persistent 600 $PY -m relaygr_engine.cli bench kernels --persistent --json "${OUT_DIR}/kernels-persistent.json"
-step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --stages 2 --json "${OUT_DIR}/ptxas.json"
 
 echo "results in ${OUT_DIR}"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -8,7 +8,9 @@ Per shape (a batch of users, each with a cached prefix, a few new history tokens
                   (softmax) or dense torch matmuls with SiLU and the materialised bias (hstu);
 * ``recompute``   the kernel with no cache: prefix + new tokens + candidates all recomputed (what caching saves);
 * on CUDA also a bf16 matmul of the same FLOPs (the roofline reference) and FlashInfer's paged prefill with a
-  custom mask when ``flashinfer`` is installed (softmax only).
+  custom mask when ``flashinfer`` is installed (softmax only). ``matmul_fraction_long_{softmax,hstu}`` in the RESULT
+  line: the geomean, over the long shapes (prefix >= 4096, >= 256 query rows per user, batch >= 4; HSTU with both
+  biases), of the kernel's useful TFLOP/s over that matmul's, measured in the same run.
 
 Kernel times exclude the plan (the tile schedule, built once per forward and shared by its layers; FlashInfer's
 plan is likewise outside its timing); ``plan_ms`` reports it.
@@ -365,6 +367,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             summary[f"geomean_ms_bm{bm}"] = geo([r["time_ms"] for r in rows if r["block_m"] == bm])
     if device.type == "cuda":
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
+        # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
+        # measured in this run for its own FLOPs).
+        long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
+        for m in modes:
+            picked = [r["matmul_fraction"] for r in long if r["mode"] == m]
+            summary[f"matmul_fraction_long_{m}"] = geo(picked) if picked else None
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(summary=summary, rows=rows), f, indent=2)
