@@ -6,7 +6,8 @@
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
 # Steps: env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas (all by default;
-# about 20-30 minutes on an H100, most of it Triton compiling and autotuning). tests-gpu runs the CUDA tests alone
+# about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
+# the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
 # inference shape (8 layers, 4 heads x 256, bf16, 4096 tokens of which 3968 cached, 256 candidates).
 # Needs torch with CUDA, triton, pybind11, cmake and ninja already installed: no network is used (the package is
@@ -31,6 +32,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
 STEPS=${STEPS:-env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas}
+# not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
     local name=$1 limit=$2
@@ -49,16 +51,22 @@ step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 step kernels 900 $PY -m relaygr_engine.cli bench kernels --json "${OUT_DIR}/kernels.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 step sync 120 $PY benchmarks/sync_audit.py
-step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --dtype bfloat16 --layers 8 --heads 4 --head-dim 256 \
+step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
 step profile 300 $PY benchmarks/profile_rank.py
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
-# DRAM reload at NVIDIA's model size (8 layers, 4 x 256): 16 MiB of KV per 1024 tokens in bf16.
-step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --layers 8 --heads 4 --head-dim 256 --page-size 64 \
-    --lengths 1024,4096,8192 --json "${OUT_DIR}/tiers.json"
-step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --no-plots --out "${OUT_DIR}/slo"
-step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --cuda-graphs --quick --no-plots \
+# DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
+# copied serially vs layer-wise (layer l+1 on a side stream while layer l computes).
+step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --model nvidia-hstu --page-size 64 \
+    --lengths 1024,4096,8192,16384 --json "${OUT_DIR}/tiers.json"
+# The small model at production lengths, both sides eager, then both graphed and compiled (the CUDA defaults).
+step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --no-cuda-graphs --no-compile --quick --no-plots \
+    --no-progress --out "${OUT_DIR}/slo"
+step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --no-plots --no-progress \
     --out "${OUT_DIR}/slo-graphs"
+# The seeds run: NVIDIA's HSTU shape, production lengths, graphs and compilation on both sides.
+step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nvidia-hstu --seeds 0,1,2 --no-progress \
+    --out "${OUT_DIR}/slo-seeds"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")

@@ -129,3 +129,17 @@ def test_a_cpu_dry_run_of_the_seeds_command_at_tiny_settings(tmp_path, capsys):
         assert m["hbm_budget_bytes"] == 64 * 2**20 and m["hbm_budget_tokens"] == 64 * 2**20 // 256
         assert rep["setup"]["execution"]["cuda_graphs"] is False
         assert "**model**" in (out / f"seed{seed}" / "report.md").read_text()
+
+
+def test_run_gpu_sh_runs_the_seeds_command_line(fake_h100):
+    """benchmarks/run_gpu.sh's slo-seeds step is the issue's command line (plus where it writes), and it parses."""
+    import pathlib
+    import shlex
+
+    script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
+    joined = script.replace("\\\n", " ")
+    line = next(x for x in joined.splitlines() if x.startswith("step slo-seeds "))
+    argv = shlex.split(line.split("relaygr_engine.cli", 1)[1].replace('"${OUT_DIR}', '"out'))
+    assert argv[:len(GPU_SEEDS)] == GPU_SEEDS
+    args = _settings(slo.build_parser(), argv[2:] + ["--no-plots"])
+    assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile

@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "OnloadMode", "TimeBucket", "check_int",
+           "parse_choice", "resolve_dtype"]
 
 
 def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
@@ -59,6 +60,14 @@ class AttentionBackend(str, enum.Enum):
     AUTO = "auto"      # Triton on CUDA/NPU, torch elsewhere
     TORCH = "torch"    # pure-torch reference (any device)
     TRITON = "triton"  # Triton kernels (CUDA, NPU, or the CPU interpreter with TRITON_INTERPRET=1)
+
+
+class OnloadMode(str, enum.Enum):
+    """How a ranking's DRAM hit is copied back into device pages (:mod:`relaygr_engine.onload`)."""
+
+    AUTO = "auto"      # layer on CUDA, serial elsewhere
+    SERIAL = "serial"  # the whole prefix, all layers, before the forward starts
+    LAYER = "layer"    # layer by layer on a side stream, each layer's attention waiting for its own layer only
 
 
 class AttentionMode(str, enum.Enum):
@@ -134,6 +143,10 @@ class CacheConfig:
         Attention over cached pages; "auto" picks Triton on CUDA/NPU and torch elsewhere.
     dram_bytes : int
         Byte budget of the server-local DRAM tier (0 turns it off).
+    onload : {"auto", "serial", "layer"}
+        How a ranking's DRAM hit is copied back (:class:`OnloadMode`): ``"layer"`` copies layer ``l + 1``'s pages
+        on a side stream while layer ``l`` computes (on a CPU a stand-in makes each layer's copy when its attention
+        needs it); ``"serial"`` copies every layer before the forward; ``"auto"`` (default): layer on CUDA.
     """
 
     device: str = "cpu"
@@ -145,8 +158,10 @@ class CacheConfig:
     lease_ttl_s: float = 1.0
     attention_backend: Union[str, AttentionBackend] = AttentionBackend.AUTO
     dram_bytes: int = 0
+    onload: Union[str, OnloadMode] = OnloadMode.AUTO
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "onload", parse_choice(OnloadMode, self.onload, "onload"))
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         object.__setattr__(self, "attention_backend",
                            parse_choice(AttentionBackend, self.attention_backend, "attention_backend"))
@@ -173,6 +188,13 @@ class CacheConfig:
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {t!r}")
         object.__setattr__(self, "lease_ttl_s", float(t))
         object.__setattr__(self, "dram_bytes", check_int("dram_bytes", self.dram_bytes, 0))
+
+    @property
+    def layered_onload(self) -> bool:
+        """Whether DRAM hits are copied back layer by layer (``onload`` resolved for this device)."""
+        if self.onload is OnloadMode.AUTO:
+            return torch.device(self.device).type == "cuda"
+        return self.onload is OnloadMode.LAYER
 
     def page_bytes(self, num_layers: int, num_heads: int, head_dim: int) -> int:
         """Bytes one page takes on the device: K and V of every layer plus its int64 timestamps."""

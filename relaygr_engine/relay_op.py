@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .config import AttentionBackend
 from .context import current_context
+from .onload import wait_layer
 from .ops import _check_args, _dispatch
 from .torch_plan import planned_attention
 
@@ -48,6 +49,7 @@ def relay_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if ctx is None or not ctx.relay:
         raise RuntimeError("relaygr::prefix_attention runs inside a relay forward only (RelayEngine)")
     st, batch, module = ctx.paged, ctx.batch, ctx.layers[layer]
+    wait_layer(layer)  # a DRAM hit's copy of this layer's pages (relaygr_engine.onload), before they are touched
     module._check(q, k, v, pos_bias, ts_bias, len(batch))
     if not module.prefix_stable:
         raise ValueError("hstu_norm='batch' is not prefix-stable: this layer runs the dense forward only "

@@ -6,12 +6,16 @@ Per prefix length L, in one run on one engine:
   (:meth:`PagedKVCache.unpack`), the expander's critical-path cost;
 * ``recompute ms``: computing the prefix's KV from scratch (``prefill_prefix`` on a cold cache);
 * ``rank dram ms`` / ``rank recompute ms``: a whole ranking request (prefix + 16 new tokens + C candidates) whose
-  prefix is only in DRAM, vs one with nothing cached, with ``source`` checked;
+  prefix is only in DRAM, vs one with nothing cached, with ``source`` checked; the DRAM hit twice: ``serial``
+  copies every layer before the forward, ``layer`` (layer-wise onload, :mod:`relaygr_engine.onload`) copies layer
+  ``l + 1`` on a side stream while layer ``l`` computes (on a CPU a stand-in copies each layer when it is needed:
+  no overlap, the same work);
 * on CUDA, the reload's GB/s next to a plain pinned host-to-device copy of the same bytes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Optional
 
 import torch
@@ -35,8 +39,9 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
     """Reload vs recompute numbers for one prefix length (see the module docstring)."""
     pages = -(-(L + NEW_TOKENS) // page_size) * 2 + 4
     cfg = rg.CacheConfig(device=str(device), dtype=dtype, page_size=page_size, num_pages=pages,
-                         max_pinned_fraction=1.0, lease_ttl_s=3600.0, dram_bytes=1 << 40)
+                         max_pinned_fraction=1.0, lease_ttl_s=3600.0, dram_bytes=1 << 40, onload="serial")
     engine = rg.RelayEngine(model, cfg, extend_on_rank=False)
+    layered = rg.RelayEngine(model, dataclasses.replace(cfg, onload="layer"), extend_on_rank=False)
     full = synthetic_history(L + NEW_TOKENS, model.config.num_items, seed=L)
     prefix = full.prefix(L)
     user = 1
@@ -55,10 +60,10 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
     reload_ms = _time(lambda: engine.cache.unpack(entry.kv, pages_ids), device, repeats)
     nbytes = entry.nbytes
 
-    def rank_from_dram():
-        for f, _ in engine.pool.entries_of(user):
-            engine.pool.free(user, f)
-        r = engine.rank_with_prefix(user, full, cands)
+    def rank_from_dram(e=engine):
+        for f, _ in e.pool.entries_of(user):
+            e.pool.free(user, f)
+        r = e.rank_with_prefix(user, full, cands)
         assert r.source == "dram", r.source
 
     def rank_recompute():
@@ -70,9 +75,12 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
         engine.dram.put(entry)
 
     rank_dram_ms = _time(rank_from_dram, device, repeats)
+    layered.dram.put(entry)
+    rank_layer_ms = _time(lambda: rank_from_dram(layered), device, repeats)
+    assert layered.stats()["layered_reloads"] == repeats and engine.stats()["layered_reloads"] == 0
     rank_recompute_ms = _time(rank_recompute, device, repeats)
     row = dict(L=L, bytes=nbytes, reload_ms=reload_ms, recompute_ms=recompute_ms,
-               rank_dram_ms=rank_dram_ms, rank_recompute_ms=rank_recompute_ms,
+               rank_dram_ms=rank_dram_ms, rank_dram_layer_ms=rank_layer_ms, rank_recompute_ms=rank_recompute_ms,
                reload_gbps=nbytes / reload_ms / 1e6)
     if device.type == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -106,12 +114,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = rg.build_ranker(cfg, seed=0, device=device, dtype=shape.torch_dtype)
     cands = torch.randint(0, cfg.num_items, (args.candidates,), generator=torch.Generator().manual_seed(0))
     env = environment(str(device))
-    print(f"relaygr bench tiers on {env['device_name']} ({device}, {dtype}, {torch.get_num_threads()} threads): "
-          f"HSTU {cfg.num_layers} layers, hidden {cfg.hidden_dim}, {cfg.num_heads}x{cfg.head_dim} heads, "
-          f"page {args.page_size}, C={args.candidates}, "
+    print(f"relaygr bench tiers on {env['device_name']} ({device}, {torch.get_num_threads()} threads): "
+          f"HSTU, {args.model} model: {shape.describe()}, page {args.page_size}, C={args.candidates}, "
           f"{NEW_TOKENS} new tokens, median of {repeats}")
     head = f"{'L':>6s} {'MB':>7s} {'reload ms':>10s} {'recompute ms':>13s} {'ratio':>7s} " \
-           f"{'rank dram ms':>13s} {'rank recomp ms':>15s} {'reload GB/s':>12s}"
+           f"{'rank dram ms':>13s} {'layer-wise ms':>14s} {'rank recomp ms':>15s} {'reload GB/s':>12s}"
     print(head + ("  h2d GB/s" if device.type == "cuda" else ""))
     measure(model, 64, cands.to(device), device, dtype, args.page_size, 1)  # warm-up (op registration, caches)
     rows = []
@@ -119,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = measure(model, L, cands.to(device), device, dtype, args.page_size, repeats)
         rows.append(r)
         line = (f"{L:6d} {r['bytes'] / 2**20:7.2f} {r['reload_ms']:10.3f} {r['recompute_ms']:13.2f} "
-                f"{r['recompute_ms'] / r['reload_ms']:6.0f}x {r['rank_dram_ms']:13.2f} "
+                f"{r['recompute_ms'] / r['reload_ms']:6.0f}x {r['rank_dram_ms']:13.2f} {r['rank_dram_layer_ms']:14.2f} "
                 f"{r['rank_recompute_ms']:15.2f} {r['reload_gbps']:12.2f}")
         print(line + (f"  {r['h2d_gbps']:8.2f}" if "h2d_gbps" in r else ""), flush=True)
     last = rows[-1]
@@ -127,6 +134,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "reload_ms": round(last["reload_ms"], 4), "recompute_ms": round(last["recompute_ms"], 3),
               "reload_speedup": round(last["recompute_ms"] / last["reload_ms"], 1),
               "rank_speedup_dram_vs_recompute": round(last["rank_recompute_ms"] / last["rank_dram_ms"], 2),
+              "rank_dram_serial_ms": round(last["rank_dram_ms"], 3),
+              "rank_dram_layer_ms": round(last["rank_dram_layer_ms"], 3),
+              "layer_onload_gain": round(last["rank_dram_ms"] / last["rank_dram_layer_ms"], 2),
               "reload_gbps": round(last["reload_gbps"], 2)}
     if "h2d_gbps" in last:
         result["h2d_gbps"] = round(last["h2d_gbps"], 2)

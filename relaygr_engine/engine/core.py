@@ -356,9 +356,11 @@ class RelayEngine:
                     extended = [pin for pin in pins.values() if self.ranking.plan_extension(pin, jobs, t)]
                 if self.store_misses:
                     stored = self.ranking.plan_stores(jobs, t)
-                outs = self.runner.run(jobs)
+                with self.state.onload_scope():  # each layer waits for its own pages of a DRAM hit
+                    outs = self.runner.run(jobs)
                 done = True
             finally:
+                self.state.join_onload()
                 for pin in pins.values():
                     if not done and pin in extended:
                         pin.broken = True

@@ -23,7 +23,7 @@ class RankPlanner:
             if dram is not None and (match is None or dram.usable > match.usable):
                 key = (p.user_id, dram.fp)
                 if key not in pins and self.state.pool.lookup(*key) is None:
-                    pages = self.state.reload(key, dram.num_tokens, t)
+                    pages = self.state.reload(key, dram.num_tokens, t, layered=True)
                     if pages is not None:
                         pins[key] = Pin(key, pages, dram.num_tokens)
                         reloaded.add(key)

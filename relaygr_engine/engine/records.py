@@ -106,6 +106,7 @@ class EngineCounters:
     dram_hits: int = 0
     recomputes: int = 0
     reloads: int = 0
+    layered_reloads: int = 0
     reload_bytes: int = 0
     reloads_declined_cost: int = 0
     reloads_refused: int = 0

@@ -2,6 +2,7 @@
 reload."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import torch
 
 from ..cache import PagedKVCache
 from ..config import CacheConfig
+from ..onload import LayerOnload
 from ..tiers import DramEntry, HostKVTier, ReloadCostModel
 from .records import EngineCounters, Key
 
@@ -29,6 +31,8 @@ class CacheState:
     ----------
     leased : dict
         Admitted entries -> lease end, so that an entry whose lease ends unused is spilled to DRAM in time.
+    onload : LayerOnload or None
+        Layer-wise copies of rankings' DRAM hits (``config.layered_onload`` with a DRAM tier), else None.
     """
 
     config: CacheConfig
@@ -37,13 +41,15 @@ class CacheState:
     expander: ReloadCostModel = field(default_factory=ReloadCostModel)
     counters: EngineCounters = field(default_factory=EngineCounters)
     leased: dict = field(default_factory=dict)
+    onload: Optional[LayerOnload] = None
 
     @classmethod
     def build(cls, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int) -> "CacheState":
         cache = PagedKVCache(config, num_layers, num_heads, head_dim)
         dram = (HostKVTier(config.dram_bytes, pin_memory=cache.device.type == "cuda")
                 if config.dram_bytes > 0 else None)
-        return cls(config, cache, dram)
+        onload = LayerOnload(cache) if dram is not None and config.layered_onload else None
+        return cls(config, cache, dram, onload=onload)
 
     @property
     def pool(self):
@@ -75,6 +81,7 @@ class CacheState:
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the K/V of every layer and the timestamps of pages ``src`` into the first ``len(src)`` of ``dst``."""
+        self.join_onload()
         dev = self.cache.device
         s = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(dev)
         d = torch.from_numpy(np.ascontiguousarray(dst[:len(src)], dtype=np.int64)).to(dev)
@@ -114,6 +121,7 @@ class CacheState:
         """A DRAM entry holding a copy of the cached entry ``key`` of ``num_tokens`` tokens."""
         pages = self.pool.pages_of(*key)
         c = self.cache
+        self.join_onload()
         buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
         if c.device.type == "cpu" and buf.device.type == "cpu" and buf.is_contiguous():
             # one gather per layer and K/V straight into the buffer (the generic pack makes several copies)
@@ -140,10 +148,22 @@ class CacheState:
                 del self.leased[key]
                 self.spill_if_evictable(key, t)
 
-    def reload(self, key: Key, num_tokens: int, t: float) -> Optional[np.ndarray]:
+    def onload_scope(self):
+        """The scope of a ranking forward that may read layer-wise reloads (:meth:`LayerOnload.forward`)."""
+        return contextlib.nullcontext() if self.onload is None else self.onload.forward()
+
+    def join_onload(self) -> None:
+        """Order every layer-wise copy issued so far before later work on the compute stream (no host wait)."""
+        if self.onload is not None:
+            self.onload.join()
+
+    def reload(self, key: Key, num_tokens: int, t: float, layered: bool = False) -> Optional[np.ndarray]:
         """Copy a DRAM entry back into pool pages (returned pinned by one reference), or None to recompute.
 
-        A failed copy frees the pages, drops the DRAM entry and is counted (``reload_failures``): None.
+        With ``layered`` (a ranking's hit, read by the forward that follows inside ``onload.forward()``) and
+        layer-wise onload on, the copy is only issued (:meth:`LayerOnload.copy`): each layer of the forward waits
+        for its own pages. Otherwise every layer is copied before this returns. A failed copy frees the pages,
+        drops the DRAM entry and is counted (``reload_failures``): None.
         """
         entry = self.dram.get(*key)
         if entry is None:
@@ -155,11 +175,16 @@ class CacheState:
         if pages is None:
             self.counters.reloads_refused += 1
             return None
+        layered = layered and self.onload is not None
         t0 = time.perf_counter()
         try:
-            self.cache.unpack(entry.kv, pages)
-            self.cache.write_timestamps(pages, entry.timestamps)
-            self.sync()
+            if layered:
+                self.onload.copy(entry.kv, pages, entry.timestamps)
+            else:
+                self.join_onload()
+                self.cache.unpack(entry.kv, pages)
+                self.cache.write_timestamps(pages, entry.timestamps)
+                self.sync()
         except _TRANSFER_ERRORS as e:
             self.drop(key, t)
             self.dram.discard(*key)
@@ -168,7 +193,9 @@ class CacheState:
         except BaseException:
             self.drop(key, t)
             raise
-        self.expander.observe_reload(entry.nbytes, time.perf_counter() - t0)
+        if not layered:  # a layered copy's time is not known without waiting for it
+            self.expander.observe_reload(entry.nbytes, time.perf_counter() - t0)
+        self.counters.layered_reloads += int(layered)
         self.counters.reloads += 1
         self.counters.reload_bytes += entry.nbytes
         return pages
