@@ -58,9 +58,10 @@ def _interpreted_engine(model, **kw):
     from relaygr_engine.kernels import _common
     if not _common.interpreter_active():
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
-    engine = make_engine(model, cache=dict(attention_backend="triton"), **kw)
-    engine.runner.graphs = GraphRunner(engine.model, engine.layers, engine.state, rg.GraphConfig(max_graphs=2),
-                                       capture=False)
+    max_graphs = kw.pop("max_graphs", 2)
+    engine = make_engine(model, cache=dict(attention_backend="triton", **kw.pop("cache", {})), **kw)
+    engine.runner.graphs = GraphRunner(engine.model, engine.layers, engine.state,
+                                       rg.GraphConfig(max_graphs=max_graphs), capture=False)
     return engine
 
 
@@ -92,6 +93,54 @@ def test_padded_static_forward_equals_full_inference(attention):
     assert s["graph_evictions"] >= 1                                     # more than two buckets were used
 
 
+@needs_triton
+def test_pre_infer_chunks_go_through_few_padded_buckets_exactly(monkeypatch):
+    """A chunked pre-infer (chunks of 32 tokens, the last one short) runs through the padded static forward in
+    buckets without candidate rows, one per chunk size and power of two of the cached prefix; the K/V it stores
+    serve a ranking exactly. GraphConfig(prefill=False) leaves pre-infers eager."""
+    model = make_model()
+    engine = _interpreted_engine(model, max_graphs=16)
+    served = []
+    real = GraphRunner.run
+    monkeypatch.setattr(GraphRunner, "run", lambda self, jobs, batch: (served.append(
+        batch.num_candidate_rows), real(self, jobs, batch))[-1])
+    h, c = history(100, seed=8), candidates(5)
+    for end in (32, 64, 96, 100):
+        t = engine.prefill_prefix(1, h.prefix(end))
+        assert t.admitted and t.computed_tokens == end - (end - 1) // 32 * 32
+    assert served == [0, 0, 0, 0]
+    keys = sorted((k.history_rows, k.prefix) for k in engine.runner.graphs.buckets if k.candidates == 0)
+    assert keys == [(16, 128), (32, 0), (32, 32), (32, 64)]
+    res = engine.rank_with_prefix(1, h, c, ticket=t)
+    assert res.source == "hbm" and res.cached_tokens == 100 and served[-1] == 5
+    assert_exact(res, model, h, c)
+    assert engine.stats()["graph_failures"] == 0
+    eager = _interpreted_engine(model, max_graphs=16)
+    eager.runner.graphs.config = rg.GraphConfig(prefill=False)
+    eager.prefill_prefix(1, h.prefix(32))
+    assert served[-1] == 5 and not eager.runner.graphs.buckets
+    with pytest.raises(ValueError, match="prefill must be a bool, got 1"):
+        rg.GraphConfig(prefill=1)
+
+
+@needs_triton
+def test_a_layerwise_dram_hit_through_the_padded_forward_is_exact():
+    """Layer-wise onload (the CPU stand-in) under the graph runner's static forward: each layer's copy is made when
+    that layer's attention starts, and the DRAM hit (extended by its new rows) scores exactly."""
+    model = make_model()
+    engine = _interpreted_engine(model, max_graphs=16, cache=dict(dram_bytes=1 << 24, onload="layer"))
+    h, c = history(60, seed=9), candidates(6)
+    t = engine.prefill_prefix(1, h.prefix(40))
+    engine.rank_with_prefix(1, h.prefix(40), c, ticket=t)          # evictable now: spilled to DRAM
+    for fp, _ in engine.pool.entries_of(1):
+        engine.pool.free(1, fp)
+    res = engine.rank_with_prefix(1, h, c)
+    assert res.source == "dram" and res.cached_tokens == 40
+    assert_exact(res, model, h, c)
+    s = engine.stats()
+    assert s["layered_reloads"] == 1 and engine.state.onload.pending == 0 and s["graph_failures"] == 0
+
+
 class _ReadsHostLayout(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -107,14 +156,15 @@ def test_a_model_reading_the_host_layout_is_served_eagerly_and_exactly(caplog):
     inner = make_model()
     engine = _interpreted_engine(_ReadsHostLayout(inner))
     h, c = history(40, seed=7), candidates(6)
-    t = engine.prefill_prefix(1, h.prefix(25))
     with caplog.at_level("WARNING", logger="relaygr_engine"):
+        t = engine.prefill_prefix(1, h.prefix(25))          # the pre-infer's forward finds it: eager from then on
         first = engine.rank_with_prefix(1, h, c, ticket=t)
         second = engine.rank_with_prefix(1, h, c)
+    assert first.cached_tokens == 25
     assert_exact(first, inner, h, c)
     assert_exact(second, inner, h, c)
     s = engine.stats()
-    assert s["graph_failures"] == 1 and s["graph_eager"] == 1
+    assert s["graph_failures"] == 1 and s["graph_eager"] == 2
     assert sum("reads the batch's host layout" in r.message for r in caplog.records) == 1
 
 
@@ -154,3 +204,23 @@ def test_cuda_graph_replays_are_exact_and_never_wait_for_the_device(attention):
     engine.rank_with_prefix(110, h.prefix(110), c)                      # a replay does not touch earlier results
     assert torch.equal(first.scores, scores)
     assert float((later[0].scores - model.rank_full(h.prefix(110), c)).abs().max()) <= ATOL
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_cuda_graphed_pre_infer_chunks_replay_exactly():
+    """fp32 on CUDA: fixed-size pre-infer chunks of several users are captured once per bucket and replayed; the
+    K/V they store serve rankings exactly."""
+    model = rg.build_ranker(make_model().config, seed=0, device="cuda")
+    engine = make_engine(model, cache=dict(device="cuda", attention_backend="triton"), cuda_graphs=True)
+    h, c = history(128, seed=11), candidates(9)
+    for user in (1, 2, 3):
+        for end in (32, 64, 96, 128):
+            assert engine.prefill_prefix(user, h.prefix(end)).admitted
+    s = engine.stats()
+    assert s["prefill_graph_captures"] == 4 and s["prefill_graph_replays"] == 8 and s["graph_failures"] == 0
+    for user in (1, 2, 3):
+        res = engine.rank_with_prefix(user, h, c)
+        assert res.source == "hbm" and res.cached_tokens == 128
+        assert_exact(res, model, h, c)

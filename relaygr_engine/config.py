@@ -227,12 +227,18 @@ class GraphConfig:
     ----------
     max_graphs : int
         Captured shape buckets kept (default 64); a new bucket past it replaces the least recently used one.
+    prefill : bool
+        Graph pre-infer forwards too (default True): a pre-infer chunk is rows without candidates, so fixed chunk
+        sizes fall in few buckets (counted apart: ``prefill_graph_replays``, ``prefill_graph_captures``).
     """
 
     max_graphs: int = 64
+    prefill: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_graphs", _positive_int("max_graphs", self.max_graphs))
+        if not isinstance(self.prefill, bool):
+            raise ValueError(f"prefill must be a bool, got {self.prefill!r}")
 
 
 def _positive_int(name: str, value) -> int:

@@ -86,8 +86,9 @@ class ForwardRunner:
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
         parts = [(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs]
-        if self.graphs is not None and all(j.candidates is not None for j in jobs):
-            host = all(j.prep.history.device.type == "cpu" and j.candidates.device.type == "cpu" for j in jobs)
+        if self.graphs is not None and self.graphs.serves(jobs):
+            host = all(j.prep.history.device.type == "cpu" and (j.candidates is None or j.candidates.device.type
+                                                                 == "cpu") for j in jobs)
             batch = RelayBatch.from_requests(parts, device=torch.device("cpu") if host else dev)
             out = self.graphs.run(jobs, batch)
             if out is not None:

@@ -1,4 +1,5 @@
-"""CUDA graphs for the ranking forward: each padded shape bucket is captured once, then replayed.
+"""CUDA graphs for the ranking forward (and pre-infer chunks): each padded shape bucket is captured once, then
+replayed.
 
 A ranking's GPU work is a few milliseconds, but queueing it from Python (about a hundred launches per forward:
 the user's model ops, a KV write and an attention kernel per layer) costs as much or more. A CUDA graph replays
@@ -19,6 +20,11 @@ between the batches a graph replays, so reading it raises, and the engine then s
 (logged once). A forward that synchronises with the host or copies host memory cannot be captured either; the
 same fallback applies. The first batch of each bucket runs eagerly over the static buffers (its result is
 served), then the bucket is captured.
+
+Pre-infer forwards (rows without candidates: ``GraphConfig.prefill``) go through the same buckets with no
+candidate rows; a relay pre-infers in chunks of a fixed size, so its forwards fall in few buckets (one per chunk
+size and power of two of the cached prefix). Layer-wise DRAM onload (:mod:`relaygr_engine.onload`) waits on
+external events, so a captured forward waits on the copies of the hit it serves.
 """
 from __future__ import annotations
 
@@ -135,11 +141,17 @@ class GraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     # ------------------------------------------------------------------------------------------ entry
+    def serves(self, jobs: list[Job]) -> bool:
+        """Whether a forward of ``jobs`` goes through graphs: rankings (every job has candidates), or pre-infers
+        (none has) when ``config.prefill``."""
+        ranked = [j.candidates is not None for j in jobs]
+        return all(ranked) or (self.config.prefill and not any(ranked))
+
     def run(self, jobs: list[Job], batch: RelayBatch) -> Optional[list]:
-        """Each job's scores ``[C, num_tasks]`` from a graph replay (or the bucket's first, eager, forward); None
-        where this forward is not served here (graphs turned off after a failure): the caller runs it eagerly.
-        ``jobs`` are rankings (each has candidates); ``batch`` is their unpadded batch (on the host or the
-        device)."""
+        """Each job's scores ``[C, num_tasks]`` (None for a pre-infer job) from a graph replay (or the bucket's
+        first, eager, forward); None where this forward is not served here (graphs turned off after a failure):
+        the caller runs it eagerly. ``jobs`` are all rankings or all pre-infers (:meth:`serves`); ``batch`` is
+        their unpadded batch (on the host or the device)."""
         c = self.state.counters
         if self.disabled is not None:
             c.graph_eager += 1
@@ -154,7 +166,10 @@ class GraphRunner:
         if b.graph is not None:
             b.graph.replay()
             scores = b.out[:C].clone()
-            c.graph_replays += 1
+            if C:
+                c.graph_replays += 1
+            else:
+                c.prefill_graph_replays += 1
         else:
             try:
                 scores = self._forward(b, *self._static(b))[:C]
@@ -305,12 +320,15 @@ class GraphRunner:
             if collecting:
                 gc.enable()
         b.graph, b.out = graph, out
-        self.state.counters.graph_captures += 1
+        if b.key.candidates:
+            self.state.counters.graph_captures += 1
+        else:
+            self.state.counters.prefill_graph_captures += 1
 
     def _disable(self, reason: str, details: str = "") -> None:
         self.disabled = reason
         self.buckets.clear()
         self.state.counters.graph_failures += 1
-        _log.warning("cuda_graphs: serving ranking forwards eagerly: %s", reason)
+        _log.warning("cuda_graphs: serving forwards eagerly: %s", reason)
         if details:
             _log.info("cuda_graphs: the capture's failure:\n%s", details)

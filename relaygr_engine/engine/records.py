@@ -137,6 +137,8 @@ class EngineCounters:
     graph_eager: int = 0
     graph_evictions: int = 0
     graph_failures: int = 0
+    prefill_graph_replays: int = 0
+    prefill_graph_captures: int = 0
     compile_failures: int = 0
     compile_eager: int = 0
     exports: int = 0
