@@ -61,11 +61,13 @@ class LayerOnload:
 
         Parameters
         ----------
-        buffer : Tensor [num_layers, 2, len(pages) * page_size, H, D]
-            Packed K/V (host memory, pinned on CUDA), as :meth:`PagedKVCache.pack` makes it.
+        buffer : Tensor
+            Packed K/V ``[num_layers, 2, len(pages) * page_size, H, D]`` (host memory, pinned on CUDA), as
+            ``PagedKVCache.pack`` makes it.
         pages : array of int
             The destination pages.
-        timestamps : LongTensor [num_tokens]
+        timestamps : Tensor
+            int64 ``[num_tokens]``.
 
         Raises
         ------

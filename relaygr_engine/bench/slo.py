@@ -13,10 +13,12 @@ served by one worker on a virtual clock with the real engine's compute (:mod:`re
 3. **Longest history within the SLO** at the reference QPS: each user's first served request carries exactly
    ``L`` history tokens (later ones append), searched over ``L`` in page multiples.
 
-Defaults: HSTU ranker (2 layers, hidden 64, 2 heads x 32), 64 candidates, SLO 100 ms, 50 ms retrieval-to-ranking
-delay, 8 tokens per real behavior with a 2048-token cap (the baseline's longest histories take well over half the
-SLO on one CPU thread), warm-up of twice the measured requests, thread CPU time as the service-time clock, marginal
-points repeated three times.
+Defaults on the CPU: the ``small`` HSTU ranker (``--model``: 2 layers, hidden 64, 2 heads x 32, fp32), 64
+candidates, SLO 100 ms, 50 ms retrieval-to-ranking delay, 8 tokens per real behavior with a 2048-token cap (the
+baseline's longest histories take well over half the SLO on one CPU thread), warm-up of twice the measured requests,
+thread CPU time as the service-time clock, marginal points repeated three times. On CUDA the workload reaches
+production lengths and both sides run graphed and compiled (:mod:`relaygr_engine.bench.slo_setup`); NVIDIA's HSTU
+shape over three seeds: ``relaygr bench slo --device cuda --model nvidia-hstu --seeds 0,1,2``.
 
 Writes ``report.md``, ``report.json``, ``latency_vs_qps.png`` and ``max_len.png`` to ``--out`` and ends with
 ``RESULT slo_throughput_ratio=... max_len_ratio=... p99_ms_relay=... p99_ms_baseline=...`` (relay / baseline,
