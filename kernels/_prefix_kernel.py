@@ -105,11 +105,13 @@ def _key_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
 
 # ------------------------------------------------------------------------------------------------ key blocks
 @triton.jit
-def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale,
-            HSTU: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, v_scale,
+            HSTU: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            V_SCALED: tl.constexpr):
     """One key block's scores ``s = q @ k.T`` ``[BLOCK_M, N]`` and values ``v [N, BLOCK_D]`` into the running state:
-    ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``. (The caller computes the bias after the score
-    product, so that its loads and integer work overlap the tensor cores.)"""
+    ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``; with ``V_SCALED`` value ``j`` is
+    ``v_scale[j] * v[j]`` (8-bit pages: the scale rides on the weights). (The caller computes the bias after the
+    score product, so that its loads and integer work overlap the tensor cores.)"""
     LOG2E: tl.constexpr = 1.4426950408889634
     if HSTU:
         if HAS_BIAS:
@@ -119,6 +121,8 @@ def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale,
         p = tl.fdiv(s, 1.0 + tl.exp2(s * -LOG2E))  # SiLU: s * sigmoid(s), one approximate reciprocal
         if MASKED:
             p = tl.where(visible, p, 0.0)
+        if V_SCALED:
+            p = p * v_scale[None, :]
         acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
         s = s * qk_scale
@@ -128,6 +132,8 @@ def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_SCALED:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -179,6 +185,24 @@ def _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off,
 
 
 @triton.jit
+def _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv, stride_slot,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """8-bit pages: the fp32 scales ``[BLOCK_N]`` of K and of V of cached tokens ``start + offs_n`` (the page's
+    K section holds ``PAGE_SIZE`` value rows, then the scales slot-major ``[PAGE_SIZE, H]``; byte strides, all
+    multiples of 4)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        slot = start % PAGE_SIZE + offs_n
+    else:
+        slot = (start + offs_n) % PAGE_SIZE
+    at = ((page * stride_page + PAGE_SIZE * stride_slot) >> 2) + slot * num_heads + head
+    if MASKED:
+        ok = start + offs_n < hi
+        return (tl.load(kvs_ptr + at, mask=ok, other=0.0),
+                tl.load(kvs_ptr + (stride_kv >> 2) + at, mask=ok, other=0.0))
+    return tl.load(kvs_ptr + at), tl.load(kvs_ptr + (stride_kv >> 2) + at)
+
+
+@triton.jit
 def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_kt, stride_vt,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TS: tl.constexpr, MASKED: tl.constexpr):
     """K, V ``[R, BLOCK_D]`` and timestamps ``[R]`` of batch rows ``rows`` (int64; with ``MASKED``, rows not ``ok``
@@ -202,7 +226,7 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
 @triton.jit(do_not_specialize=BATCH_ARGS)
 def prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
-    kv_ptr,                                           # [num_pages, 2, PAGE_SIZE, H, D]
+    kv_ptr, kvs_ptr,                                  # [num_pages, 2, PAGE_SIZE (+ scale slots), H, D]; KV8: fp32
     kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,       # paged layout (int32)
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
@@ -217,7 +241,7 @@ def prefix_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAND_TILES: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr, KV8: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
@@ -278,24 +302,38 @@ def prefix_attention_kernel(
             k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page,
                                     stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
                                     HAS_TS, False)
+            vs = 0.0
+            if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
+                ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv,
+                                      stride_slot, PAGE_SIZE, BLOCK_N, False)
+                k, v = k.to(q.dtype), v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KV8:
+                s = s * ks[None, :]
             bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
                              TS_ABS) if BIAS else 0.0
-            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, 0, scale, qk_scale, HSTU, BIAS, False,
-                                    DOT_PRECISION)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, 0, scale, qk_scale, vs, HSTU, BIAS, False,
+                                    DOT_PRECISION, KV8)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, full_hi, hi, offs_n, offs_d, head_off, stride_page,
                                     stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
                                     HAS_TS, True)
+            vs = 0.0
+            if KV8:
+                ks, vs = _page_scales(kvs_ptr, page, full_hi, hi, offs_n, head, num_heads, stride_page, stride_kv,
+                                      stride_slot, PAGE_SIZE, BLOCK_N, True)
+                k, v = k.to(q.dtype), v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KV8:
+                s = s * ks[None, :]
             bias = _key_bias(q_pos, full_hi + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
                              TS_ABS) if BIAS else 0.0
             visible = (full_hi + offs_n < hi)[None, :]
-            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
-                                    DOT_PRECISION)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, True,
+                                    DOT_PRECISION, KV8)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)
@@ -316,8 +354,8 @@ def prefix_attention_kernel(
                 visible = k_ok[None, :]
             else:
                 visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
-            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
-                                    DOT_PRECISION)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS, True,
+                                    DOT_PRECISION, False)
 
         # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
         if CAND_TILES:
@@ -328,8 +366,8 @@ def prefix_attention_kernel(
                 bias = _rel_bias(q_pos, q_pos, t_q, t_q, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                                  num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
                 visible = (offs_m[:, None] == offs_m[None, :]) & row_ok[None, :]
-                acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, HSTU, BIAS, True,
-                                        DOT_PRECISION)
+                acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
+                                        True, DOT_PRECISION, False)
 
         if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
             ws_rows = (split * total_q + g_rows) * num_heads + head
@@ -386,7 +424,7 @@ SPLIT_ALIGN = 128
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
 AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT",
-                 "SPLIT"]
+                 "SPLIT", "KV8"]
 
 
 def prune_configs(configs, named_args, **kwargs):

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from .. import quant
 from .._host import ship
-from ..config import AttentionMode, TimeBucket, parse_choice
+from ..config import AttentionMode, KVDtype, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from ._prefix_kernel import (BATCH_ARGS, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
@@ -135,7 +136,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
-                          block_m=None) -> PrefixAttentionPlan:
+                          block_m=None, kv_dtype="model") -> PrefixAttentionPlan:
     """Check a batch's layout and build its tile schedule once, for every layer's :func:`prefix_attention` call.
 
     Parameters
@@ -148,16 +149,19 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
         model share them).
     block_m : int, optional
         Query rows per tile (both kinds); default: the device's rule (:func:`pick_config`).
+    kv_dtype : {"model", "fp8_e4m3", "int8"}
+        How ``kv_cache`` stores K/V (8-bit: ``uint8`` pages with scale slots, :mod:`relaygr_engine.quant`).
 
     Returns
     -------
     PrefixAttentionPlan
         Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
     """
-    C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=C.FLOAT_DTYPES)
+    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
+    C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(torch.uint8,) if kd.quantized else C.FLOAT_DTYPES)
     _check_block("block_m", block_m)
     device = kv_cache.device
-    num_pages, _, page_size = kv_cache.shape[:3]
+    num_pages, page_size = kv_cache.shape[0], quant.token_page_size(kd, kv_cache.shape[2], kv_cache.shape[-1])
     tables = (cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len)
     on_host = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tables)
     table = C.check_page_table(*tables, device=torch.device("cpu") if on_host else device, num_pages=num_pages,
@@ -175,7 +179,8 @@ def _check_block(name: str, size) -> None:
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
-                     plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None) -> torch.Tensor:
+                     plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
+                     kv_dtype="model") -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -183,7 +188,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     q, k, v : Tensor [total_q, H, D]
         Per user, its new history rows then its candidates, user after user (fp32/fp16/bf16, one dtype).
     kv_cache : Tensor [num_pages, 2, page_size, H, D]
-        One layer's paged cache (index 0 = K, 1 = V), dtype of ``q``.
+        One layer's paged cache (index 0 = K, 1 = V), dtype of ``q``; with an 8-bit ``kv_dtype``
+        ``uint8 [num_pages, 2, page_size + S, H, D]`` values and scale slots (:mod:`relaygr_engine.quant`).
     kv_indptr : int32 Tensor [B+1]
         Offsets of each user's pages in ``kv_indices``.
     kv_indices : int32 Tensor [nnz]
@@ -223,6 +229,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         This batch's schedule from :func:`plan_prefix_attention` (built once, reused by every layer): the call then
         reads nothing back from the device. It must have been built for this batch's metadata (its batch size,
         row count and device are checked, the table contents are trusted). Without it, the call plans for itself.
+    kv_dtype : {"model", "fp8_e4m3", "int8"}
+        How ``kv_cache`` stores K/V: cached rows are dequantised on load (the K scales multiply the scores, the V
+        scales the weights); ``k``/``v``, the new rows, stay at full precision. fp8 runs on CUDA only.
     splits : int, optional
         Split each user's cached prefix over this many programs (flash-decoding style), their partial sums merged
         after the kernel (:func:`~relaygr_engine.kernels._split.merge_splits`). Default: by device
@@ -247,9 +256,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     total_q, num_heads, head_dim = q.shape
     C.check_tensor("k", k, shape=q.shape, dtypes=(q.dtype,), device=device)
     C.check_tensor("v", v, shape=q.shape, dtypes=(q.dtype,), device=device)
-    C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim), dtypes=(q.dtype,),
-                   device=device)
-    num_pages, _, page_size = kv_cache.shape[:3]
+    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
+    C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim),
+                   dtypes=(quant.storage_dtype(kd, q.dtype),), device=device)
+    num_pages, page_size = kv_cache.shape[0], quant.token_page_size(kd, kv_cache.shape[2], head_dim)
     # The values are read (once) only when this call plans for itself and has rows to compute.
     table = C.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
                                device=device, num_pages=num_pages, page_size=page_size, total_q=total_q,
@@ -286,6 +296,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     C.check_launchable(device, _prefix_attention_kernel)
     if device.type == "cpu" and q.dtype != torch.float32:
         raise ValueError(f"the CPU interpreter runs fp32 only (numpy has no bf16), got q.dtype={q.dtype}")
+    if device.type == "cpu" and kd is KVDtype.FP8_E4M3:
+        raise ValueError("kv_dtype='fp8_e4m3' cannot run in the CPU interpreter (numpy has no fp8); use the torch "
+                         "backend on the CPU")
 
     out = torch.empty_like(q)
     if total_q == 0:
@@ -311,7 +324,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     if ts_table:
         ts_steps = ts_bounds.numel().bit_length()
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
-    head = (q, k, v, out, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates)
+    # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
+    pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache
+    scales = kv_cache.view(-1).view(torch.float32) if kd.quantized else q
+    head = (q, k, v, out, pages, scales, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates)
     tail = (
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
@@ -324,7 +340,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
-                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1)
+                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1,
+                KV8=kd.quantized)
     if cfg.block_n is None:
         kernel, extra = autotuned_kernel(), {}
     else:

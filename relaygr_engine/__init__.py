@@ -14,6 +14,7 @@ _EXPORTS = {
     "CacheConfig": ".config",
     "AttentionBackend": ".config",
     "GraphConfig": ".config",
+    "KVDtype": ".config",
     "PrefixBlockPool": "._ext",
     "PagedKVCache": ".cache",
     "GRModelConfig": ".models",

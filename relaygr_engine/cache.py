@@ -6,6 +6,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import quant
 from ._ext import PrefixBlockPool
 from .config import CacheConfig
 
@@ -29,6 +30,9 @@ class PagedKVCache:
     ``[num_pages, 2, page_size, num_heads, head_dim]`` (index 0 = K, 1 = V). Token ``t`` of an entry whose pages are
     ``pages`` lives in page ``pages[t // page_size]``, slot ``t % page_size``. ``timestamps`` of shape
     ``[num_pages, page_size]`` (int64) holds each cached token's timestamp beside its KV (for time-aware biases).
+    With an 8-bit ``kv_dtype``, ``kv[l]`` is ``uint8 [num_pages, 2, page_size + S, H, D]``: each page's K and V
+    sections end in ``S`` slots holding the rows' fp32 scales (:mod:`relaygr_engine.quant`); :meth:`write`
+    quantises and :meth:`gather` dequantises.
 
     Parameters
     ----------
@@ -45,13 +49,19 @@ class PagedKVCache:
         self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
         self.page_size = config.page_size
         self.device = torch.device(config.device)
-        self.dtype = config.dtype
+        self.dtype = config.dtype                                   # what K/V are computed and read in
+        self.kv_dtype = config.kv_dtype                             # how they are stored
+        if self.kv_dtype.quantized and head_dim % quant.SCALE_BYTES:
+            raise ValueError(f"kv_dtype={self.kv_dtype.value!r} needs head_dim a multiple of 4 (the fp32 scales "
+                             f"stay aligned in the page), got head_dim={head_dim}")
+        self.store_dtype = quant.storage_dtype(self.kv_dtype, self.dtype)
         self.num_pages = config.resolve_num_pages(num_layers, num_heads, head_dim)
         self.pool = PrefixBlockPool(self.num_pages, self.page_size, config.max_pinned_pages(self.num_pages))
-        shape = (self.num_pages, 2, self.page_size, num_heads, head_dim)
-        self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
-        # The same storage as rows ``page * 2 * page_size + {0: K, page_size: V} + slot``: views made once, so a
-        # layer's gathers and writes add no view op per call.
+        shape = quant.layer_shape(self.kv_dtype, self.num_pages, self.page_size, num_heads, head_dim)
+        self.slots_per_page = shape[2]                              # page_size, plus the scale slots when 8-bit
+        self.kv = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(num_layers)]
+        # The same storage as rows ``page * 2 * S + {0: K, S: V} + slot`` (``S = slots_per_page``): views made once,
+        # so a layer's gathers and writes add no view op per call.
         self.kv_flat = [t.view(-1, num_heads, head_dim) for t in self.kv]
         self.timestamps = torch.zeros((self.num_pages, self.page_size), dtype=torch.long, device=self.device)
         self.device = self.timestamps.device  # "cuda" -> "cuda:<current>", so device checks compare equal
@@ -62,7 +72,8 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.kv) + self.timestamps.numel() * 8
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(device={self.device}, dtype={self.dtype}, layers={self.num_layers}, "
+        return (f"PagedKVCache(device={self.device}, dtype={self.dtype}, kv_dtype={self.kv_dtype.value}, "
+                f"layers={self.num_layers}, "
                 f"heads={self.num_heads}, head_dim={self.head_dim}, pages={self.num_pages}x{self.page_size}, "
                 f"bytes={self.nbytes}, pool={self.pool.implementation})")
 
@@ -99,6 +110,9 @@ class PagedKVCache:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         page_idx, slot_idx = self.slots(pages, start, k.shape[0])
         buf = self.kv[layer]
+        if self.kv_dtype.quantized:
+            quant.store(buf, self.kv_dtype, self.page_size, page_idx, slot_idx, k, v)
+            return
         buf[page_idx, 0, slot_idx] = k.to(self.dtype)
         buf[page_idx, 1, slot_idx] = v.to(self.dtype)
 
@@ -116,6 +130,10 @@ class PagedKVCache:
             raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         page_idx, slot_idx = self.slots(pages, 0, num_tokens)
         buf = self.kv[layer]
+        if self.kv_dtype.quantized:
+            vals, sc = quant.values(buf, self.kv_dtype, self.page_size), quant.scales(buf, self.page_size)
+            return tuple(quant.dequantize(vals[page_idx, i, slot_idx], sc[page_idx, i, slot_idx], self.dtype)
+                         for i in (0, 1))
         return buf[page_idx, 0, slot_idx], buf[page_idx, 1, slot_idx]
 
     def gather_timestamps(self, pages, num_tokens: int) -> torch.Tensor:
@@ -138,9 +156,10 @@ class PagedKVCache:
 
         Returns
         -------
-        Tensor [num_layers, 2, len(pages) * page_size, H, D]
-            ``out`` when given (it may live in pinned host memory: one device-to-host copy), else a new tensor on
-            the cache device. Triton's ``kv_pack`` on CUDA/NPU, a torch gather elsewhere.
+        Tensor [num_layers, 2, len(pages) * slots_per_page, H, D] of ``store_dtype``
+            The stored pages (8-bit values and their scales when quantised): ``out`` when given (it may live in
+            pinned host memory: one device-to-host copy), else a new tensor on the cache device. Triton's
+            ``kv_pack`` on CUDA/NPU, a torch gather elsewhere.
         """
         p = _as_index("pages", pages, self.num_pages, self.device)
         if self._use_triton():
@@ -156,9 +175,9 @@ class PagedKVCache:
     def unpack(self, buffer: torch.Tensor, pages) -> None:
         """Scatter a buffer made by :meth:`pack` (any device) into ``pages`` of every layer: one copy up."""
         p = _as_index("pages", pages, self.num_pages, self.device)
-        shape = (self.num_layers, 2, p.numel() * self.page_size, self.num_heads, self.head_dim)
-        if tuple(buffer.shape) != shape or buffer.dtype != self.dtype:
-            raise ValueError(f"buffer must be {self.dtype} of shape {list(shape)}, got {buffer.dtype} "
+        shape = self.packed_shape(p.numel())
+        if tuple(buffer.shape) != shape or buffer.dtype != self.store_dtype:
+            raise ValueError(f"buffer must be {self.store_dtype} of shape {list(shape)}, got {buffer.dtype} "
                              f"{list(buffer.shape)}")
         if self._use_triton():
             from .kernels.kv_pack import kv_unpack
@@ -166,6 +185,10 @@ class PagedKVCache:
             return
         from .kernels.reference import kv_unpack_ref
         kv_unpack_ref(buffer.to(self.device, non_blocking=buffer.is_pinned()), self.kv, p)
+
+    def packed_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Shape of :meth:`pack`'s buffer for ``num_pages`` pages (its dtype is ``store_dtype``)."""
+        return (self.num_layers, 2, num_pages * self.slots_per_page, self.num_heads, self.head_dim)
 
     def page_table(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``kv_indptr [B+1]``, ``kv_indices [nnz]``, ``kv_last_page_len [B]`` as int32 tensors on the device."""

@@ -11,8 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "OnloadMode", "TimeBucket", "check_int",
-           "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "KVDtype", "OnloadMode", "TimeBucket",
+           "check_int", "parse_choice", "resolve_dtype"]
 
 
 def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
@@ -68,6 +68,18 @@ class OnloadMode(str, enum.Enum):
     AUTO = "auto"      # layer on CUDA, serial elsewhere
     SERIAL = "serial"  # the whole prefix, all layers, before the forward starts
     LAYER = "layer"    # layer by layer on a side stream, each layer's attention waiting for its own layer only
+
+
+class KVDtype(str, enum.Enum):
+    """How the prefix KV cache stores K and V (:mod:`relaygr_engine.quant`)."""
+
+    MODEL = "model"        # in the cache's ``dtype``: scores equal full inference
+    FP8_E4M3 = "fp8_e4m3"  # 8-bit float (e4m3) with an fp32 scale per token and head: about half of bf16's bytes
+    INT8 = "int8"          # 8-bit integer with an fp32 scale per token and head
+
+    @property
+    def quantized(self) -> bool:
+        return self is not KVDtype.MODEL
 
 
 class AttentionMode(str, enum.Enum):
@@ -143,6 +155,13 @@ class CacheConfig:
         Attention over cached pages; "auto" picks Triton on CUDA/NPU and torch elsewhere.
     dram_bytes : int
         Byte budget of the server-local DRAM tier (0 turns it off).
+    kv_dtype : {"model", "fp8_e4m3", "int8"}
+        How K and V are stored (:class:`KVDtype`). ``"model"`` (default): in ``dtype``, exact. ``"fp8_e4m3"`` and
+        ``"int8"``: 8 bits per value plus an fp32 scale per token and head (kept inside the page; ``head_dim`` must
+        be a multiple of 4), about half the bytes of bf16, so about twice the users fit;
+        scores are then no longer equal to full inference (measured: ``relaygr bench kvquant``). The new rows of
+        the current forward attend at full precision; cached rows are dequantized on load. fp8 needs the torch
+        backend on the CPU (Triton's interpreter has no fp8) and is refused on NPU.
     onload : {"auto", "serial", "layer"}
         How a ranking's DRAM hit is copied back (:class:`OnloadMode`): ``"layer"`` copies layer ``l + 1``'s pages
         on a side stream while layer ``l`` computes (on a CPU a stand-in makes each layer's copy when its attention
@@ -159,9 +178,11 @@ class CacheConfig:
     attention_backend: Union[str, AttentionBackend] = AttentionBackend.AUTO
     dram_bytes: int = 0
     onload: Union[str, OnloadMode] = OnloadMode.AUTO
+    kv_dtype: Union[str, KVDtype] = KVDtype.MODEL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "onload", parse_choice(OnloadMode, self.onload, "onload"))
+        object.__setattr__(self, "kv_dtype", parse_choice(KVDtype, self.kv_dtype, "kv_dtype"))
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         object.__setattr__(self, "attention_backend",
                            parse_choice(AttentionBackend, self.attention_backend, "attention_backend"))
@@ -188,6 +209,20 @@ class CacheConfig:
             raise ValueError(f"lease_ttl_s must be a finite number of seconds > 0, got {t!r}")
         object.__setattr__(self, "lease_ttl_s", float(t))
         object.__setattr__(self, "dram_bytes", check_int("dram_bytes", self.dram_bytes, 0))
+        self._check_kv_dtype()
+
+    def _check_kv_dtype(self) -> None:
+        """An 8-bit cache on a backend that cannot serve it is refused before anything is built."""
+        if not self.kv_dtype.quantized:
+            return
+        device = torch.device(self.device).type
+        if device == "npu":
+            raise ValueError(f"kv_dtype={self.kv_dtype.value!r} is not supported on npu (triton-ascend has no 8-bit "
+                             "K/V path here); use kv_dtype='model'")
+        if (self.kv_dtype is KVDtype.FP8_E4M3 and device == "cpu"
+                and self.attention_backend is AttentionBackend.TRITON):
+            raise ValueError("kv_dtype='fp8_e4m3' needs attention_backend 'torch' or 'auto' on the CPU (Triton's "
+                             "interpreter has no fp8); got attention_backend='triton'")
 
     @property
     def layered_onload(self) -> bool:
@@ -197,9 +232,13 @@ class CacheConfig:
         return self.onload is OnloadMode.LAYER
 
     def page_bytes(self, num_layers: int, num_heads: int, head_dim: int) -> int:
-        """Bytes one page takes on the device: K and V of every layer plus its int64 timestamps."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return num_layers * 2 * self.page_size * num_heads * head_dim * elem + self.page_size * 8
+        """Bytes one page takes on the device: K and V of every layer (8-bit: values and their scales) plus its
+        int64 timestamps."""
+        from .quant import layer_shape, storage_dtype
+
+        shape = layer_shape(self.kv_dtype, 1, self.page_size, num_heads, head_dim)
+        elem = torch.empty((), dtype=storage_dtype(self.kv_dtype, self.dtype)).element_size()
+        return num_layers * math.prod(shape) * elem + self.page_size * 8
 
     def resolve_num_pages(self, num_layers: int, num_heads: int, head_dim: int) -> int:
         """The pool's page count: ``num_pages``, or as many pages as ``hbm_bytes`` holds, or 4096."""

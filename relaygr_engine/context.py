@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .batch import RelayBatch
+from .config import KVDtype
 
 __all__ = ["ForwardContext", "PagedState", "batch_context", "current_context", "find_layers", "paged_context"]
 
@@ -72,6 +73,8 @@ class PagedState:
     torch_plan: object = None
     kv_flat: Optional[Sequence[torch.Tensor]] = None
     compiled: bool = False  # torch plan path: the compiled attention core (RelayEngine(compile_attention=True))
+    kv_dtype: KVDtype = KVDtype.MODEL  # how the pages store K/V (8-bit: quantised on write, dequantised on read)
+    compute_dtype: Optional[torch.dtype] = None  # what attention computes in (default: the pages' dtype)
     validated: bool = False  # the first layer checked the op's arguments (later layers share them)
     _slot_mapping: Optional[torch.Tensor] = None
 

@@ -77,9 +77,9 @@ class LayerOnload:
         c = self.cache
         ids = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
         n = ids.numel()
-        shape = (c.num_layers, 2, n * c.page_size, c.num_heads, c.head_dim)
-        if tuple(buffer.shape) != shape or buffer.dtype != c.dtype:
-            raise ValueError(f"buffer must be {c.dtype} of shape {list(shape)}, got {buffer.dtype} "
+        shape = c.packed_shape(n)
+        if tuple(buffer.shape) != shape or buffer.dtype != c.store_dtype:
+            raise ValueError(f"buffer must be {c.store_dtype} of shape {list(shape)}, got {buffer.dtype} "
                              f"{list(buffer.shape)}")
         ids = ids.to(c.device, non_blocking=True)
         c.write_timestamps(pages, timestamps)
@@ -100,7 +100,7 @@ class LayerOnload:
         """Scatter one layer's packed K/V ``src [2, n * page_size, H, D]`` into pages ``ids`` of ``cache.kv[layer]``."""
         c, n = self.cache, ids.numel()
         src = src.to(c.device, non_blocking=src.is_pinned())
-        c.kv[layer].index_copy_(0, ids, src.view(2, n, c.page_size, c.num_heads, c.head_dim).transpose(0, 1))
+        c.kv[layer].index_copy_(0, ids, src.view(2, n, c.slots_per_page, c.num_heads, c.head_dim).transpose(0, 1))
 
     # ------------------------------------------------------------------------------------------ wait
     def wait(self, layer: int) -> None:

@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .config import AttentionBackend, AttentionMode, TimeBucket, parse_choice
+from . import quant
+from .config import AttentionBackend, AttentionMode, KVDtype, TimeBucket, parse_choice
 from .kernels import _common
 from .kernels.reference import time_bucket_ref
 
@@ -285,7 +286,7 @@ def _candidate_bias(nk, n, pos_bias, ts_bias, t_rows, t_keys, keys_sorted, fn):
 
 def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                                  num_candidates, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None,
-                                 ts_cache=None, ts_q=None, time_bucket=TimeBucket.LOG2):
+                                 ts_cache=None, ts_q=None, time_bucket=TimeBucket.LOG2, kv_dtype=KVDtype.MODEL):
     """Pure-torch reference of :func:`paged_prefix_attention` (no input validation; see that function).
 
     Users are processed one after another. A user's cached K/V are gathered from its pages in one
@@ -300,9 +301,9 @@ def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_la
     -------
     Tensor [total_q, H, D], dtype of ``q``.
     """
-    mode, fn = AttentionMode(mode), TimeBucket(time_bucket)
+    mode, fn, kd = AttentionMode(mode), TimeBucket(time_bucket), KVDtype(kv_dtype)
     H, D = q.shape[1], q.shape[2]
-    page_size = kv_cache.shape[2]
+    page_size = quant.token_page_size(kd, kv_cache.shape[2], D)
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     cu = cu_seqlens_q.tolist()
@@ -331,7 +332,11 @@ def paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_la
             vals = torch.empty((span, H, D), dtype=acc, device=q.device)
             kp = keys[:num_pages * page_size].view(num_pages, page_size, H, D)
             vp = vals[:num_pages * page_size].view(num_pages, page_size, H, D)
-            if kv_cache.dtype == acc:
+            if kd.quantized:  # 8-bit pages: dequantised once gathered
+                kq, vq = quant.load_pages(kv_cache, kd, page_size, pages, acc)
+                kp.copy_(kq)
+                vp.copy_(vq)
+            elif kv_cache.dtype == acc:
                 torch.index_select(k_cache, 0, pages, out=kp)
                 torch.index_select(v_cache, 0, pages, out=vp)
             else:
@@ -378,16 +383,16 @@ def _paged_prefix_attention_op(
     kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, cu_seqlens_q: torch.Tensor,
     num_candidates: torch.Tensor, mode: str, scale: float, hstu_norm: float, pos_bias: Optional[torch.Tensor],
     ts_bias: Optional[torch.Tensor], ts_cache: Optional[torch.Tensor], ts_q: Optional[torch.Tensor],
-    time_bucket: str = "log2",
+    time_bucket: str = "log2", kv_dtype: str = "model",
 ) -> torch.Tensor:
     return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                                         num_candidates, mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q,
-                                        time_bucket)
+                                        time_bucket, kv_dtype)
 
 
 @_paged_prefix_attention_op.register_fake
 def _(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode, scale,
-      hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket="log2"):
+      hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket="log2", kv_dtype="model"):
     return q.new_empty(q.shape)
 
 
@@ -408,7 +413,7 @@ def _tensor(name: str, x, dims: int, device: torch.device, dtype=None, floating:
 
 def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
                 scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, *, read_tables: bool = True,
-                time_bucket=TimeBucket.LOG2) -> None:
+                time_bucket=TimeBucket.LOG2, kv_dtype=KVDtype.MODEL) -> None:
     """Raise ValueError naming the first bad argument (expected vs actual).
 
     The page table and row layout go through :func:`relaygr_engine.kernels._common.check_page_table`, the check
@@ -424,11 +429,13 @@ def _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
         if x.shape != q.shape:
             raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(x.shape)}")
     total, H, D = q.shape
-    _tensor("kv_cache", kv_cache, 5, dev, dtype=q.dtype)
+    kd = KVDtype(kv_dtype)
+    _tensor("kv_cache", kv_cache, 5, dev, dtype=quant.storage_dtype(kd, q.dtype))
+    slots = "page_size" if not kd.quantized else "page_size + ceil(4 * page_size / D)"
     if kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (H, D) or kv_cache.shape[2] < 1:
-        raise ValueError(f"kv_cache must have shape [num_pages, 2, page_size, {H}, {D}], got "
-                         f"{tuple(kv_cache.shape)}")
-    num_pages, _, page_size = kv_cache.shape[:3]
+        raise ValueError(f"kv_cache must have shape [num_pages, 2, {slots}, {H}, {D}] (kv_dtype={kd.value!r}), "
+                         f"got {tuple(kv_cache.shape)}")
+    num_pages, page_size = kv_cache.shape[0], quant.token_page_size(kd, kv_cache.shape[2], D)
     _common.check_page_table(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, device=dev,
                              num_pages=num_pages, page_size=page_size, total_q=total, read=read_tables)
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
@@ -475,7 +482,7 @@ def _triton_impl():
 
 
 def plan_paged_attention(kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
-                         backend="auto"):
+                         backend="auto", kv_dtype="model"):
     """The Triton kernel's schedule of one batch, built once for all layers; ``None`` where ``backend`` resolves to
     the torch reference (which needs none).
 
@@ -489,7 +496,7 @@ def plan_paged_attention(kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_s
         return None
     from .kernels.prefix_attention import plan_prefix_attention
     return plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len,
-                                 kv_cache=kv_cache)
+                                 kv_cache=kv_cache, kv_dtype=kv_dtype)
 
 
 def _resolve_backend(backend, device: torch.device) -> AttentionBackend:
@@ -512,7 +519,7 @@ def _warn_once(message: str) -> None:
 
 def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
                            *, mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
-                           time_bucket="log2", backend="torch", plan=None):
+                           time_bucket="log2", backend="torch", plan=None, kv_dtype="model"):
     """Attention of each user's new history rows and candidates over its cached prefix pages and its new rows.
 
     See the module docstring for the exact positions, masks and formulas.
@@ -522,7 +529,8 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     q, k, v : Tensor [total_q, H, D]
         Per user, its new history tokens then its candidates, user after user; ``k``/``v`` are those rows' K/V.
     kv_cache : Tensor [num_pages, 2, page_size, H, D]
-        One layer's paged cache (index 0 = K, 1 = V); same dtype and device as ``q``.
+        One layer's paged cache (index 0 = K, 1 = V); same dtype and device as ``q``. With an 8-bit ``kv_dtype``:
+        ``uint8 [num_pages, 2, page_size + S, H, D]``, values and their fp32 scales (:mod:`relaygr_engine.quant`).
     kv_indptr : int32 [B+1]
         Page offsets of each user into ``kv_indices``.
     kv_indices : int32 [nnz]
@@ -558,6 +566,9 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     plan : PrefixAttentionPlan, optional
         The batch's Triton schedule from :func:`plan_paged_attention`, reused across layers (Triton backend only;
         the torch reference ignores it).
+    kv_dtype : {"model", "fp8_e4m3", "int8"}
+        How ``kv_cache`` stores K/V (:class:`~relaygr_engine.config.KVDtype`); cached rows are dequantised on load,
+        the new rows ``k``/``v`` attend at full precision.
 
     Returns
     -------
@@ -575,10 +586,12 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     mode = parse_choice(AttentionMode, mode, "mode")
     be = parse_choice(AttentionBackend, backend, "backend")
     fn = parse_choice(TimeBucket, time_bucket, "time_bucket")
+    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
     _check_args(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket=fn)
+                scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, time_bucket=fn, kv_dtype=kd)
     return _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,
-                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be, plan=plan, time_bucket=fn)
+                     mode, scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, be, plan=plan, time_bucket=fn,
+                     kv_dtype=kd)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -587,7 +600,8 @@ def _eager(q: torch.Tensor) -> bool:
 
 
 def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, mode,
-              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend, plan=None, time_bucket=TimeBucket.LOG2):
+              scale, hstu_norm, pos_bias, ts_bias, ts_cache, ts_q, backend, plan=None, time_bucket=TimeBucket.LOG2,
+              kv_dtype=KVDtype.MODEL):
     """:func:`paged_prefix_attention` after validation (``mode`` an :class:`AttentionMode`, ``backend`` parsed,
     ``time_bucket`` a :class:`TimeBucket`).
 
@@ -604,12 +618,12 @@ def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seq
         return _triton_impl()(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                               num_candidates, mode=mode.value, scale=float(scale), hstu_norm=float(hstu_norm),
                               pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q, plan=plan,
-                              time_bucket=time_bucket.value)
+                              time_bucket=time_bucket.value, kv_dtype=kv_dtype.value)
     if _eager(q):
         return paged_prefix_attention_torch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                             cu_seqlens_q, num_candidates, mode, float(scale), float(hstu_norm),
-                                            pos_bias, ts_bias, ts_cache, ts_q, time_bucket)
+                                            pos_bias, ts_bias, ts_cache, ts_q, time_bucket, kv_dtype)
     return torch.ops.relaygr.paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                                     cu_seqlens_q, num_candidates, mode.value, float(scale),
                                                     float(hstu_norm), pos_bias, ts_bias, ts_cache, ts_q,
-                                                    time_bucket.value)
+                                                    time_bucket.value, kv_dtype.value)

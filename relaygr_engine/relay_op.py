@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .config import AttentionBackend
 from .context import current_context
 from .onload import wait_layer
@@ -58,13 +59,14 @@ def relay_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         ts_bias = None
         if module.bias_needs_time:
             pos_bias = None
-    out_dtype, Dc = q.dtype, kv_cache.shape[-1]
+    out_dtype, Dc, kd = q.dtype, kv_cache.shape[-1], st.kv_dtype
     if Dc != module.head_dim:  # zero columns change no dot product
         q, k = F.pad(q, (0, Dc - module.head_dim)), F.pad(k, (0, Dc - module.head_dim))
     if Dc != module.value_dim:
         v = F.pad(v, (0, Dc - module.value_dim))
-    if q.dtype != kv_cache.dtype:
-        q, k, v = q.to(kv_cache.dtype), k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    dtype = st.compute_dtype or kv_cache.dtype
+    if q.dtype != dtype:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     flat = st.flat(layer) if kv_cache is st.kv_caches[layer] else kv_cache.view(-1, *kv_cache.shape[3:])
     if st.write_rows is not None:
         _write(st, kv_cache, flat, k, v, len(batch))
@@ -73,20 +75,26 @@ def relay_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     args = (q, k, v, kv_cache, st.kv_indptr, st.kv_indices, st.kv_last_page_len, batch.cu_seqlens,
             batch.num_candidates, module.mode, module.scale, module.hstu_norm, pos_bias, ts_bias, ts_cache, ts_q)
     if not st.validated:  # the first layer checks; a plan (when set) was built from checked tables already
-        _check_args(*args, read_tables=st.plan is None and st.torch_plan is None, time_bucket=module.time_bucket)
+        _check_args(*args, read_tables=st.plan is None and st.torch_plan is None, time_bucket=module.time_bucket,
+                    kv_dtype=kd)
         st.validated = True
     if st.torch_plan is not None and q.dtype in (torch.float32, torch.float64):
         o = planned_attention(st.torch_plan, q, k, v, flat, module.mode, module.scale, module.hstu_norm, pos_bias,
-                              ts_bias, module.time_bucket, compiled=st.compiled)
+                              ts_bias, module.time_bucket, compiled=st.compiled, kv_dtype=kd)
     else:
-        o = _dispatch(*args, st.backend, plan=st.plan, time_bucket=module.time_bucket)
+        o = _dispatch(*args, st.backend, plan=st.plan, time_bucket=module.time_bucket, kv_dtype=kd)
     if Dc != module.value_dim:
         o = o[..., :module.value_dim]
     return o if o.dtype == out_dtype else o.to(out_dtype)
 
 
 def _write(st, cache: torch.Tensor, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
-    """Store the K/V of the batch rows the engine is keeping in one layer's pages."""
+    """Store the K/V of the batch rows the engine is keeping in one layer's pages (quantised when 8-bit)."""
+    if st.kv_dtype.quantized:
+        page_size = quant.token_page_size(st.kv_dtype, cache.shape[2], cache.shape[-1])
+        quant.store(cache, st.kv_dtype, page_size, st.write_pages, st.write_slots,
+                    k.index_select(0, st.write_rows), v.index_select(0, st.write_rows))
+        return
     if st.backend is AttentionBackend.TRITON:
         from .kernels.kv_write import kv_write
         kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, cache.shape[2]), check_slots=False)

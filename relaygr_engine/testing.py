@@ -20,7 +20,7 @@ from torch import nn
 
 from .batch import RelayBatch
 from .behaviors import Behaviors
-from .config import CacheConfig
+from .config import CacheConfig, KVDtype, parse_choice
 from .context import batch_context, current_context, find_layers
 from .engine import RankRequest, RelayEngine
 
@@ -120,8 +120,12 @@ def _first_layer(tap: _LayerTap, relay_run, b: int, dense_run, atol: float) -> s
 def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidates, *,
                       request_times: Optional[Sequence[Optional[int]]] = None, atol: float = 1e-4,
                       attention_backend: str = "torch", page_size: int = 4,
-                      paths: Sequence[str] = PATHS) -> dict[str, float]:
+                      paths: Sequence[str] = PATHS, kv_dtype: str = "model") -> dict[str, float]:
     """Check that relay-race inference of ``model`` equals its no-cache forward on every engine path.
+
+    Exactness holds for a cache in the model's dtype (the default ``kv_dtype="model"``). An 8-bit cache
+    (``kv_dtype="int8"`` or ``"fp8_e4m3"``) reads cached rows dequantised, so its scores are close to, not equal to,
+    the no-cache forward: the check then runs the same paths on such a cache and needs the ``atol`` you accept.
 
     Parameters
     ----------
@@ -140,6 +144,8 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
     page_size : int
         Small pages put prefix boundaries inside pages (default 4).
     paths : sequence of {"miss", "hit", "batch", "extend", "dram"}
+    kv_dtype : {"model", "int8", "fp8_e4m3"}
+        The engines' cache format (:class:`~relaygr_engine.config.KVDtype`).
 
     Returns
     -------
@@ -166,6 +172,10 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
     for i, h in enumerate(histories):
         if h.num_tokens < 3:
             raise ValueError(f"histories[{i}] must have at least 3 tokens, got {h.num_tokens}")
+    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
+    if kd.quantized and atol == 1e-4:
+        raise ValueError(f"kv_dtype={kd.value!r} is not exact (cached rows are read dequantised): pass the atol you "
+                         "accept, e.g. from relaygr bench kvquant")
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"paths must be among {PATHS}, got {sorted(unknown)}")
@@ -177,7 +187,7 @@ def check_relay_exact(model: nn.Module, histories: Sequence[Behaviors], candidat
     def engine(dram: bool = False) -> RelayEngine:
         cfg = CacheConfig(device=str(dev), dtype=dtype, page_size=page_size, num_pages=pages,
                           max_pinned_fraction=1.0, lease_ttl_s=3600.0, attention_backend=attention_backend,
-                          dram_bytes=(1 << 30) if dram else 0)
+                          dram_bytes=(1 << 30) if dram else 0, kv_dtype=kd)
         return RelayEngine(model, cfg, extend_on_rank=True)
 
     eager = getattr(model, "_orig_mod", model)  # a torch.compile'd model is checked against its eager forward

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from ._host import to_device
-from .config import AttentionMode, TimeBucket
+from .config import AttentionMode, KVDtype, TimeBucket
 from .ops import time_buckets
 
 __all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "compiled_core",
@@ -56,6 +57,9 @@ class TorchPlan:
         Query and key times (the time-bias tables).
     mask_values : Tensor [2]
         ``[0, -BIG]``: the additive mask the HSTU bias gather ends with (``silu(-BIG)`` is exactly 0).
+    scale_rows : LongTensor [2 * S], optional
+        8-bit caches: the row of each cached K, then V, token's scales ``[H]`` in the layer's bytes viewed as fp32
+        ``[-1, H]`` (:mod:`relaygr_engine.quant`: a section's scales follow its ``page_size`` value rows).
     """
 
     B: int
@@ -71,6 +75,7 @@ class TorchPlan:
     mask_values: torch.Tensor
     t_q: Optional[torch.Tensor] = None
     t_k: Optional[torch.Tensor] = None
+    scale_rows: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict)
 
     def bias_index(self, pos_size: int, ts_size: int, time_bucket: TimeBucket = TimeBucket.LOG2,
@@ -122,8 +127,8 @@ def _mask_values(device: torch.device) -> torch.Tensor:
 
 def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_lens: Sequence[int],
                      prefix_pages: Sequence[np.ndarray], page_size: int, num_heads: int, device: torch.device,
-                     ts_rows: Optional[torch.Tensor] = None,
-                     ts_cache: Optional[torch.Tensor] = None) -> Optional[TorchPlan]:
+                     ts_rows: Optional[torch.Tensor] = None, ts_cache: Optional[torch.Tensor] = None,
+                     slots_per_page: Optional[int] = None, head_dim: int = 0) -> Optional[TorchPlan]:
     """The plan of a batch, or None (use the blockwise reference) when a user's padded rows x keys would exceed
     :data:`MAX_ROWS_X_KEYS` or the padded scores :data:`MAX_PADDED_SCORES`.
 
@@ -135,6 +140,9 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
         Each user's pages holding its cached tokens (token ``t`` in page ``t // page_size``).
     ts_rows : LongTensor [R], optional
         Row timestamps (turns on the time-bias tables); ``ts_cache [num_pages, page_size]`` the cached tokens'.
+    slots_per_page, head_dim : int, optional
+        An 8-bit cache: slots of a page's K (or V) section in the layer tensor (``page_size`` value rows, then the
+        scales), and the head dim; the plan then also indexes the rows' scales (``scale_rows``).
     """
     B = len(rows)
     M = max(rows, default=0)
@@ -151,7 +159,8 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     page_of = np.concatenate([np.asarray(x, np.int64) for x in prefix_pages]) if S else np.zeros(0, np.int64)
     page = page_of[np.repeat(np.cumsum(lens) - lens, P[:, 0]) + t // page_size] if S else t
     slot = t % page_size
-    k_slots = page * (2 * page_size) + slot
+    stride = slots_per_page or page_size
+    k_slots = page * (2 * stride) + slot
     i, j = np.arange(M)[None, :], np.arange(K)[None, :]                                       # [1, M], [1, K]
     # Key j of user b in cat(cached K [S], cached V [S], new K [R], new V [R]): cached token j (j < P) at s0 + j,
     # else new row r0 + j - P at 2 S + r0 + j - P; its value S (cached) or R (new) rows further; padding 0.
@@ -168,9 +177,13 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     dist = (P + np.minimum(i, n))[:, :, None] - np.minimum(j, P + n)[:, None, :]              # pos_q - pos_k
     as_t = (lambda a: to_device(a, a.dtype, device))
     shape = (1, M, K) if B == 1 else (B, 1, M, K)  # one user: broadcast over the heads of 3-D products
-    plan = TorchPlan(B, M, K, as_t(np.concatenate([k_slots, k_slots + page_size])), as_t(kvidx),
+    plan = TorchPlan(B, M, K, as_t(np.concatenate([k_slots, k_slots + stride])), as_t(kvidx),
                      as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible.reshape(shape)), as_t(~visible[:, None]),
                      as_t(dist[:, None]), _mask_values(device))
+    if slots_per_page is not None:  # fp32 rows of H: a section is slots * D / 4 of them, its scales after ps * D / 4
+        per = slots_per_page * head_dim // 4
+        sc = page * (2 * per) + page_size * head_dim // 4 + slot
+        plan.scale_rows = as_t(np.concatenate([sc, sc + per]))
     if ts_rows is not None:
         t_cached = ts_cache.view(-1)[as_t(page * page_size + slot)] if S else ts_rows[:0]
         kidx = np.where(valid & ~cached, kk - S, kk)  # the key's row in cat(cached times [S], row times [R])
@@ -182,23 +195,29 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
 
 def planned_attention(plan: TorchPlan, q, k, v, flat_cache, mode: AttentionMode, scale: float, hstu_norm: float,
                       pos_bias=None, ts_bias=None, time_bucket: TimeBucket = TimeBucket.LOG2,
-                      compiled: bool = False) -> torch.Tensor:
+                      compiled: bool = False, kv_dtype: KVDtype = KVDtype.MODEL) -> torch.Tensor:
     """One layer's attention over ``plan``: ``q, k, v [R, H, D]``, ``flat_cache [num_pages * 2 * page_size, H, D]``
     (a layer's ``[num_pages, 2, page_size, H, D]`` cache viewed flat); ``time_bucket`` buckets ``ts_bias``
     (:func:`relaygr_engine.ops.time_buckets`).
 
     ``compiled`` runs the tensor work through ``torch.compile`` (dynamic shapes; see :func:`compiled_core`).
+    An 8-bit cache (``kv_dtype``; the plan built with its ``slots_per_page``) is gathered and dequantised first.
     Returns ``[R, H, D]`` in ``q``'s dtype (computed in it; fp32 rows give fp32 accumulation).
     """
     core = compiled_core() if compiled else _core
     shape = (plan.B, plan.M, plan.K)
+    kv_slots = plan.kv_slots
+    if kv_dtype.quantized:  # the cached rows, gathered and dequantised (the core then gathers nothing)
+        vals = flat_cache.index_select(0, kv_slots).view(quant.value_dtype(kv_dtype))
+        scales = flat_cache.view(-1).view(torch.float32).view(-1, q.shape[1]).index_select(0, plan.scale_rows)
+        flat_cache, kv_slots = quant.dequantize(vals, scales, q.dtype), None
     if mode is AttentionMode.SOFTMAX:
-        return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
+        return core(q, k, v, flat_cache, kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
                     mask=plan.visible)
     P, NB = (0 if t is None else t.numel() for t in (pos_bias, ts_bias))
     outer = 0 < P * NB <= MAX_OUTER_BIAS
     idx = plan.bias_index(P, NB, time_bucket, outer)
-    return core(q, k, v, flat_cache, plan.kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
+    return core(q, k, v, flat_cache, kv_slots, plan.kvidx, plan.qidx, plan.out_idx, shape, scale,
                 bias_table=bias_table(pos_bias, ts_bias, plan.mask_values, outer), bias_index=idx,
                 hstu_norm=hstu_norm)
 
@@ -246,7 +265,8 @@ def _core(q, k, v, flat_cache, kv_slots, kvidx, qidx, out_idx, shape: tuple[int,
     when given, else HSTU with the additive ``bias_table[bias_index]`` (summed over its first dim when 5-D)."""
     B, M, K = shape
     H, D = q.shape[1], q.shape[2]
-    kv = torch.cat([flat_cache.index_select(0, kv_slots), k, v]).index_select(0, kvidx)
+    cached = flat_cache if kv_slots is None else flat_cache.index_select(0, kv_slots)  # None: gathered already
+    kv = torch.cat([cached, k, v]).index_select(0, kvidx)
     if B == 1:  # one user: its rows are the padded rows (no gather), 3-D products over the heads
         keys, vals = kv.view(2, K, H, D).transpose(1, 2).unbind(0)                # [H, K, D] each
         qp = q.transpose(0, 1)                                                   # [H, M, D]

@@ -107,6 +107,7 @@ def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_war
 def attention_types(pointer: str) -> dict:
     """Argument types of ``_prefix_attention_kernel`` with floating tensors of type ``pointer`` (e.g. ``"*bf16"``)."""
     types = {n: pointer for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_ptr")}
+    types["kvs_ptr"] = "*fp32"
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
     types.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64",
@@ -140,7 +141,8 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       BLOCK_M=block_m, BLOCK_N=block_n, CAND_TILES=cand_tiles, HSTU=hstu, HAS_POS=biased,
                       HAS_TS=biased, TS_BITS=ts_bits,
                       TS_STEPS=ts_steps, TS_TABLE=False, TS_ABS=False,
-                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False)
+                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
+                      KV8=False)
     return compile_kernel(pa._prefix_attention_kernel, attention_types("*" + dtype), constexprs, arch=arch,
                           num_warps=num_warps, num_stages=num_stages,
                           values=attention_values(head_dim, page_size, heads))

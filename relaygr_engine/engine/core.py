@@ -145,6 +145,7 @@ class RelayEngine:
         self.state = CacheState.build(cache_config, len(layers), H, D)
         self.cache, self.dram, self.expander = self.state.cache, self.state.dram, self.state.expander
         self.pool, self.page_size = self.cache.pool, self.cache.page_size
+        self._kv_bits = 8 if self.cache.kv_dtype.quantized else torch.finfo(self.cache.dtype).bits
         self.index = PrefixIndex(self.pool, self.dram, self.model_identity)
         self.prefill = PrefillPlanner(self.state, self.index, trigger)
         self.ranking = RankPlanner(self.state, self.index)
@@ -382,7 +383,7 @@ class RelayEngine:
                 if job.key in reloaded:
                     source = "dram"
                     reloaded.discard(job.key)
-                results.append(RankResult(scores, source, job.start, T - job.start + C))
+                results.append(RankResult(scores, source, job.start, T - job.start + C, self.cache.kv_dtype.value))
                 c.count_ranking(source, job.start, T - job.start + C, C)
             # now evictable unless another ticket's lease holds them: keep a DRAM copy
             for key in [pin.key for pin in pins.values()] + stored:
@@ -426,6 +427,7 @@ class RelayEngine:
                 s.update({k: v for k, v in self.trigger.stats(now=None).items() if isinstance(v, int)})
             s.setdefault("trigger_admits", 0)
             s.setdefault("trigger_declines", 0)
+            s["kv_bits"] = self._kv_bits  # bits per stored K/V value: 8 for an 8-bit cache (kv_dtype), else 16/32
             return s
 
     # ------------------------------------------------------------------------------------------ validation

@@ -80,7 +80,8 @@ class ForwardRunner:
             return None
         rows = [torch.from_numpy(np.asarray(a, dtype=np.int32)) for a in (np.cumsum([0, *batch.rows]),
                                                                            batch.candidates_per_user)]
-        return plan_paged_attention(self.state.cache.kv[0], *tables, *rows, backend=backend)
+        return plan_paged_attention(self.state.cache.kv[0], *tables, *rows, backend=backend,
+                                    kv_dtype=self.state.cache.kv_dtype)
 
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         st = self.state
@@ -103,12 +104,13 @@ class ForwardRunner:
         timed = batch.timestamps is not None
         paged = PagedState(cache.kv, kv_indptr, kv_indices, kv_last, cache.timestamps if timed else None, backend,
                            kv_flat=cache.kv_flat, compiled=self.compile_attention,
-                           plan=self._plan(backend, host, batch))
+                           plan=self._plan(backend, host, batch), kv_dtype=cache.kv_dtype, compute_dtype=cache.dtype)
         if backend is AttentionBackend.TORCH:
             paged.torch_plan = build_torch_plan(
                 batch.rows, batch.candidates_per_user, [j.start for j in jobs],
                 [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
-                ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None)
+                ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None,
+                slots_per_page=cache.slots_per_page if cache.kv_dtype.quantized else None, head_dim=cache.head_dim)
         writes = lay.write_rows.size > 0
         if writes:
             paged.set_writes(*ship([torch.from_numpy(a) for a in (lay.write_rows, lay.write_pages, lay.write_slots)],

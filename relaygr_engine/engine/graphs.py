@@ -286,7 +286,7 @@ class GraphRunner:
                                    v("hist_tiles"), v("cand_tiles"), key.prefix + R, key.prefix, key.prefix)
         paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
                            cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
-                           plan=plan)
+                           plan=plan, kv_dtype=cache.kv_dtype, compute_dtype=cache.dtype)
         if key.writes:
             paged.write_rows = paged._slot_mapping = v("slots")  # the Triton write reads the slot of every row
         return batch, paged

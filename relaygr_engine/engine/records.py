@@ -89,12 +89,17 @@ class RankResult:
         History tokens read from the cache.
     computed_tokens : int
         Rows computed now: the remaining history tokens plus the candidates.
+    kv_dtype : str
+        How the engine's cache stores K/V (:class:`~relaygr_engine.config.KVDtype`): ``"model"`` (scores equal full
+        inference), or ``"int8"``/``"fp8_e4m3"`` (cached rows were read dequantised: scores are close to, not
+        equal to, full inference).
     """
 
     scores: torch.Tensor
     source: str
     cached_tokens: int
     computed_tokens: int
+    kv_dtype: str = "model"
 
 
 @dataclass

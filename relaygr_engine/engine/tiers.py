@@ -122,11 +122,11 @@ class CacheState:
         pages = self.pool.pages_of(*key)
         c = self.cache
         self.join_onload()
-        buf = self.dram.alloc((c.num_layers, 2, len(pages) * self.page_size, c.num_heads, c.head_dim), c.dtype)
+        buf = self.dram.alloc(c.packed_shape(len(pages)), c.store_dtype)
         if c.device.type == "cpu" and buf.device.type == "cpu" and buf.is_contiguous():
             # one gather per layer and K/V straight into the buffer (the generic pack makes several copies)
             ids = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
-            view = buf.view(c.num_layers, 2, len(pages), self.page_size, c.num_heads, c.head_dim)
+            view = buf.view(c.num_layers, 2, len(pages), c.slots_per_page, c.num_heads, c.head_dim)
             for layer, kv in enumerate(c.kv):
                 for i in (0, 1):
                     torch.index_select(kv[:, i], 0, ids, out=view[layer, i])

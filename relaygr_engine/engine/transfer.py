@@ -93,10 +93,10 @@ def check_packed(state: CacheState, packed: PackedPrefix, p: Prepared, fingerpri
         raise ValueError(f"packed.page_size must be this cache's page size {state.page_size}, got "
                          f"{packed.page_size}")
     c = state.cache
-    shape = (c.num_layers, 2, -(-packed.num_tokens // c.page_size) * c.page_size, c.num_heads, c.head_dim)
-    if tuple(packed.kv.shape) != shape or packed.kv.dtype != c.dtype:
-        raise ValueError(f"packed.kv must be {c.dtype} of shape {list(shape)}, got {packed.kv.dtype} "
-                         f"{list(packed.kv.shape)}")
+    shape = c.packed_shape(-(-packed.num_tokens // c.page_size))
+    if tuple(packed.kv.shape) != shape or packed.kv.dtype != c.store_dtype:
+        raise ValueError(f"packed.kv must be {c.store_dtype} of shape {list(shape)} (kv_dtype={c.kv_dtype.value!r}), "
+                         f"got {packed.kv.dtype} {list(packed.kv.shape)}")
     if tuple(packed.timestamps.shape) != (packed.num_tokens,):
         raise ValueError(f"packed.timestamps must have shape [{packed.num_tokens}], got "
                          f"{list(packed.timestamps.shape)}")

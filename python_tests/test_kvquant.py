@@ -1,0 +1,195 @@
+"""The opt-in 8-bit prefix KV cache (``CacheConfig(kv_dtype="int8" | "fp8_e4m3")``).
+
+The format (values and per-token scales inside each page), its error bounds, the page budget, every engine path on
+both formats (close to full inference, not equal; the DRAM tier and the export/import transfer move the 8-bit bytes
+unchanged), the Triton kernel's int8 path in the interpreter against the torch reference, and the refusals.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import relaygr_engine as rg
+from relaygr_engine import quant
+from relaygr_engine.cache import PagedKVCache
+from relaygr_engine.config import KVDtype
+from relaygr_engine.testing import check_relay_exact
+
+FORMATS = [KVDtype.INT8, KVDtype.FP8_E4M3]
+CFG = dict(attention="hstu", num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, num_items=500, num_actions=4,
+           max_seq_len=256, num_tasks=2)
+
+
+def histories(seed=0, lengths=(40, 23, 61)):
+    g = torch.Generator().manual_seed(seed)
+    return [rg.Behaviors(item_ids=torch.randint(0, 500, (n,), generator=g),
+                         timestamps=torch.cumsum(torch.randint(1, 1000, (n,), generator=g), 0)) for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------ the format
+@pytest.mark.parametrize("kd", FORMATS)
+def test_pages_round_trip_within_the_format_error_bound(kd):
+    ps, H, D = 16, 3, 32
+    layer = torch.zeros(quant.layer_shape(kd, 6, ps, H, D), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(40, H, D, generator=g) * 3, torch.randn(40, H, D, generator=g)
+    k[3] = 0.0  # a row of zeros stays zeros
+    pages, slots = torch.randint(0, 6, (40,), generator=g), torch.randperm(6 * ps, generator=g)[:40] % ps
+    key = pages * ps + slots
+    keep = torch.tensor([key[:i].ne(key[i]).all().item() for i in range(40)])  # distinct slots only
+    pages, slots, k, v = pages[keep], slots[keep], k[keep], v[keep]
+    quant.store(layer, kd, ps, pages, slots, k, v)
+    K, V = quant.load_pages(layer, kd, ps, torch.arange(6), torch.float32)
+    for x, got in ((k, K[pages, slots]), (v, V[pages, slots])):
+        amax = x.abs().amax(-1, keepdim=True)
+        bound = amax / 254 if kd is KVDtype.INT8 else amax / 16  # half an int8 step; e4m3's 2**-4 of amax
+        assert ((got - x).abs() <= bound + 1e-6).all()
+        assert (got - x).abs().max() > 0  # really 8-bit
+    assert K[pages[3], slots[3]].abs().max() == 0 if keep[3] else True
+
+
+def test_layer_shape_and_its_inverse():
+    for kd in (KVDtype.MODEL, *FORMATS):
+        for ps in (1, 3, 16, 24, 64, 128):
+            for d in (4, 16, 32, 64, 256):
+                slots = quant.layer_shape(kd, 2, ps, 4, d)[2]
+                assert quant.token_page_size(kd, slots, d) == ps
+                assert slots == ps + (-(-4 * ps // d) if kd.quantized else 0)
+
+
+def test_page_budget_counts_the_smaller_pages():
+    """At one HBM budget an 8-bit cache holds about twice the pages of bf16 (NVIDIA's HSTU shape) and 3.5 times the
+    pages of fp32 at head dim 32 (the scales cost 4 bytes per row)."""
+    budget = 1 << 30
+    bf16 = rg.CacheConfig(dtype="bfloat16", page_size=64, hbm_bytes=budget).resolve_num_pages(8, 4, 256)
+    fp32 = rg.CacheConfig(page_size=16, hbm_bytes=budget).resolve_num_pages(2, 2, 32)
+    for kd in FORMATS:
+        q = rg.CacheConfig(dtype="bfloat16", page_size=64, hbm_bytes=budget, kv_dtype=kd).resolve_num_pages(8, 4, 256)
+        assert 1.9 < q / bf16 < 2.0
+        q32 = rg.CacheConfig(page_size=16, hbm_bytes=budget, kv_dtype=kd).resolve_num_pages(2, 2, 32)
+        assert 3.4 < q32 / fp32 < 3.6
+        cache = PagedKVCache(rg.CacheConfig(page_size=16, num_pages=10, kv_dtype=kd), 2, 2, 32)
+        assert cache.kv[0].dtype == torch.uint8 and cache.kv[0].shape == (10, 2, 18, 2, 32)
+        assert cache.nbytes == 10 * rg.CacheConfig(page_size=16, kv_dtype=kd).page_bytes(2, 2, 32)
+
+
+def test_bad_kv_dtype_is_refused_before_any_state():
+    with pytest.raises(ValueError, match="kv_dtype must be one of 'model', 'fp8_e4m3', 'int8', got 'int4'"):
+        rg.CacheConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_dtype='fp8_e4m3' needs attention_backend 'torch' or 'auto' on the CPU"):
+        rg.CacheConfig(kv_dtype="fp8_e4m3", attention_backend="triton")
+    model = rg.build_ranker(rg.GRModelConfig(**dict(CFG, head_dim=6)), seed=0)
+    with pytest.raises(ValueError, match="needs head_dim a multiple of 4"):
+        rg.RelayEngine(model, rg.CacheConfig(kv_dtype="int8"))
+    with pytest.raises(ValueError, match="kv_dtype='int8' is not exact"):
+        check_relay_exact(rg.build_ranker(rg.GRModelConfig(**CFG), seed=0), histories(), torch.arange(5),
+                          kv_dtype="int8")
+
+
+# ------------------------------------------------------------------------------------------------ engine paths
+@pytest.mark.parametrize("kd", FORMATS)
+@pytest.mark.parametrize("attention", ["hstu", "softmax"])
+def test_every_engine_path_on_an_8bit_cache_is_close_not_equal(kd, attention):
+    """miss (nothing cached: exact), hit, batch, extension and DRAM reload within the format's error of full
+    inference; the DRAM reload moves the 8-bit pages unchanged (its scores equal the hit's)."""
+    model = rg.build_ranker(rg.GRModelConfig(**dict(CFG, attention=attention)), seed=1)
+    hs, c = histories(), torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(3))
+    exact = check_relay_exact(model, hs, c)
+    assert max(exact.values()) <= 1e-5
+    report = check_relay_exact(model, hs, c, kv_dtype=kd, atol=0.02)
+    assert report["miss"] <= 1e-5                          # no cached row is read
+    assert all(report[p] > 1e-5 for p in ("hit", "batch", "extend", "dram"))   # cached rows are 8-bit
+    assert report["dram"] == report["hit"]                 # the same bytes, reloaded
+
+
+@pytest.mark.parametrize("kd", FORMATS)
+def test_export_import_moves_the_8bit_pages_and_stats_state_the_format(kd):
+    model = rg.build_ranker(rg.GRModelConfig(**CFG), seed=2)
+    (h,) = histories(lengths=(50,))
+    c = torch.arange(7)
+    cfg = rg.CacheConfig(page_size=8, num_pages=256, kv_dtype=kd)
+    sender, receiver = rg.RelayEngine(model, cfg), rg.RelayEngine(model, cfg)
+    ticket = sender.prefill_prefix(1, h)
+    packed = sender.export_prefix(ticket, h)
+    assert packed.kv.dtype == torch.uint8 and packed.kv.shape == sender.cache.packed_shape(-(-50 // 8))
+    bf16 = rg.RelayEngine(model, rg.CacheConfig(dtype="bfloat16", page_size=8, num_pages=256))
+    bf16_kv = bf16.export_prefix(bf16.prefill_prefix(1, h), h).kv
+    assert packed.kv.nbytes / bf16_kv.nbytes == (8 + 2) / (2 * 8)  # a byte per value, 2 scale slots per page
+    here = sender.rank_with_prefix(1, h, c, ticket=ticket)
+    there = receiver.rank_with_prefix(1, h, c, ticket=receiver.import_prefix(h, packed))
+    assert there.source == "hbm" and torch.equal(here.scores, there.scores)
+    assert here.kv_dtype == kd.value and receiver.stats()["kv_bits"] == 8
+    wrong = rg.RelayEngine(model, rg.CacheConfig(page_size=8, num_pages=256))
+    with pytest.raises(ValueError, match="packed.kv must be torch.float32"):
+        wrong.import_prefix(h, packed)
+    assert wrong.stats()["kv_bits"] == 32 and wrong.rank_with_prefix(1, h, c).kv_dtype == "model"
+
+
+def test_the_op_checks_the_cache_format():
+    q = torch.randn(5, 2, 16)
+    tables = dict(kv_indptr=torch.tensor([0, 1], dtype=torch.int32), kv_indices=torch.tensor([0], dtype=torch.int32),
+                  kv_last_page_len=torch.tensor([3], dtype=torch.int32),
+                  cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                  num_candidates=torch.tensor([2], dtype=torch.int32))
+    fp32_cache = torch.randn(1, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match="kv_cache must be torch.uint8"):
+        rg.paged_prefix_attention(q, q, q, fp32_cache, **tables, mode="softmax", scale=0.25, kv_dtype="int8")
+    layer = torch.zeros(quant.layer_shape(KVDtype.INT8, 1, 4, 2, 16), dtype=torch.uint8)
+    quant.store(layer, KVDtype.INT8, 4, torch.zeros(4, dtype=torch.long), torch.arange(4), fp32_cache[0, 0],
+                fp32_cache[0, 1])
+    out = rg.paged_prefix_attention(q, q, q, layer, **tables, mode="softmax", scale=0.25, kv_dtype="int8")
+    ref = rg.paged_prefix_attention(q, q, q, fp32_cache, **tables, mode="softmax", scale=0.25)
+    assert 0 < (out - ref).abs().max() < 0.02
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        rg.paged_prefix_attention(q, q, q, layer, **tables, mode="softmax", scale=0.25, kv_dtype="e5m2")
+
+
+# ------------------------------------------------------------------------------------------------ Triton (int8)
+TRITON_INT8 = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from test_kernels import attention_kwargs, make_problem
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
+    from relaygr_engine.kernels.prefix_attention import prefix_attention
+    from relaygr_engine.ops import paged_prefix_attention_torch
+
+    worst = 0.0
+    for seed, (users, ps) in enumerate([([(45, 10, 50), (16, 3, 2), (0, 0, 7), (130, 0, 33)], 16),
+                                        ([(100, 5, 20), (64, 40, 3)], 32), ([(70, 2, 9)], 24)]):
+        args, bias = make_problem(users, ps, 2, 32, seed=seed)
+        P, _, _, H, D = args["kv_cache"].shape
+        layer = torch.zeros(quant.layer_shape(KVDtype.INT8, P, ps, H, D), dtype=torch.uint8)
+        kv = args["kv_cache"].nan_to_num(0.0)
+        quant.store(layer, KVDtype.INT8, ps, torch.arange(P).repeat_interleave(ps), torch.arange(ps).repeat(P),
+                    kv[:, 0].reshape(-1, H, D), kv[:, 1].reshape(-1, H, D))
+        args["kv_cache"] = layer
+        for mode in ("softmax", "hstu"):
+            kw = attention_kwargs(mode, bias, 32)
+            ref = paged_prefix_attention_torch(**args, **{{k: kw.get(k) for k in ("mode", "scale", "pos_bias",
+                                               "ts_bias", "ts_cache", "ts_q")}}, hstu_norm=kw.get("hstu_norm", 1.0),
+                                               kv_dtype="int8")
+            for splits in (None, 3):
+                out = prefix_attention(**args, **kw, kv_dtype="int8", splits=splits)
+                worst = max(worst, float((out - ref).abs().max()))
+    print("worst", worst)
+""")
+
+
+def test_triton_kernel_int8_pages_match_the_torch_reference_in_the_interpreter():
+    """The kernel's 8-bit path (scales on the scores and weights) against the torch reference reading the same
+    int8 pages, whole blocks and partial ones, pages a block divides and pages it does not (24), split prefixes.
+    In a fresh process: the interpreter must be on before triton's first import."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = TRITON_INT8.format(tests=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst = float(proc.stdout.split("worst")[-1])
+    assert worst <= 1e-5
