@@ -193,3 +193,101 @@ def test_triton_kernel_int8_pages_match_the_torch_reference_in_the_interpreter()
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = float(proc.stdout.split("worst")[-1])
     assert worst <= 1e-5
+
+
+KV_WRITE_INT8 = textwrap.dedent("""
+    import torch
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
+    from relaygr_engine.kernels.kv_write import kv_write
+
+    g = torch.Generator().manual_seed(0)
+    for ps, H, D in ((16, 2, 32), (24, 3, 20), (8, 1, 64)):
+        shape = quant.layer_shape(KVDtype.INT8, 7, ps, H, D)
+        k, v = torch.randn(30, H, D, generator=g) * 2, torch.randn(30, H, D, generator=g)
+        k[5] = 0.0
+        slots = torch.randperm(7 * ps, generator=g)[:30]
+        slots[[3, 11]] = -1                                        # padding rows are skipped
+        got, want = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+        kv_write(got, k, v, slots, kv_dtype="int8")
+        keep = slots >= 0
+        quant.store(want, KVDtype.INT8, ps, slots[keep] // ps, slots[keep] % ps, k[keep], v[keep])
+        assert torch.equal(got, want), (ps, H, D)
+    print("ok")
+""")
+
+
+def test_triton_kv_write_quantises_like_the_torch_path_in_the_interpreter():
+    """The 8-bit KV-write kernel stores the same bytes (values and scales) as :func:`relaygr_engine.quant.store`."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    proc = subprocess.run([sys.executable, "-c", KV_WRITE_INT8], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+ENGINE_TRITON_INT8 = textwrap.dedent("""
+    import torch
+    import relaygr_engine as rg
+    from relaygr_engine.testing import check_relay_exact
+
+    model = rg.build_ranker(rg.GRModelConfig(**{cfg!r}), seed=1)
+    g = torch.Generator().manual_seed(0)
+    hs = [rg.Behaviors(item_ids=torch.randint(0, 500, (n,), generator=g),
+                       timestamps=torch.cumsum(torch.randint(1, 1000, (n,), generator=g), 0)) for n in (40, 23)]
+    c = torch.randint(0, 500, (9,), generator=g)
+    torch_int8 = check_relay_exact(model, hs, c, kv_dtype="int8", atol=0.02)
+    triton_int8 = check_relay_exact(model, hs, c, kv_dtype="int8", atol=0.02, attention_backend="triton")
+    print(max(abs(torch_int8[p] - triton_int8[p]) for p in torch_int8))
+""")
+
+
+def test_engine_on_the_triton_backend_writes_and_reads_int8_pages_like_the_torch_backend():
+    """Every engine path with the Triton kernels (the quantising KV write and the 8-bit attention, in the
+    interpreter) ends as close to full inference as the torch backend's."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    proc = subprocess.run([sys.executable, "-c", ENGINE_TRITON_INT8.format(cfg=CFG)],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("kd", FORMATS)
+def test_cuda_8bit_write_and_attention_match_the_torch_path(kd):
+    """On CUDA (bf16): the Triton KV write stores what the torch path stores (up to one 8-bit step where the
+    division rounds differently), and the kernel over those pages matches the torch reference."""
+    from relaygr_engine.kernels.kv_write import kv_write
+    from relaygr_engine.kernels.prefix_attention import prefix_attention
+    from relaygr_engine.ops import paged_prefix_attention_torch
+
+    dev, ps, H, D = torch.device("cuda"), 64, 4, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    P = 64
+    shape = quant.layer_shape(kd, P, ps, H, D)
+    k, v = (torch.randn(P * ps, H, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(P * ps, device=dev)
+    got, want = torch.zeros(shape, dtype=torch.uint8, device=dev), torch.zeros(shape, dtype=torch.uint8, device=dev)
+    kv_write(got, k, v, slots, kv_dtype=kd)
+    quant.store(want, kd, ps, slots // ps, slots % ps, k, v)
+    K1, V1 = quant.load_pages(got, kd, ps, torch.arange(P, device=dev), torch.float32)
+    K2, V2 = quant.load_pages(want, kd, ps, torch.arange(P, device=dev), torch.float32)
+    step = k.float().abs().amax(-1).max() / quant.QMAX[kd] * (1 if kd is KVDtype.INT8 else 32)
+    assert (K1 - K2).abs().max() <= step and (V1 - V2).abs().max() <= step
+    users = [(3000, 64, 256), (1000, 0, 32)]
+    cu = torch.tensor([0, 320, 352], dtype=torch.int32, device=dev)
+    q, kn, vn = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    pages = [-(-p // ps) for p, _, _ in users]
+    indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32, device=dev)
+    tables = dict(kv_indptr=indptr, kv_indices=torch.randperm(P, device=dev)[:sum(pages)].int(),
+                  kv_last_page_len=torch.tensor([3000 - 46 * ps, 1000 - 15 * ps], dtype=torch.int32, device=dev),
+                  cu_seqlens_q=cu, num_candidates=torch.tensor([256, 32], dtype=torch.int32, device=dev))
+    for mode in ("softmax", "hstu"):
+        out = prefix_attention(q, kn, vn, got, **tables, mode=mode, scale=D ** -0.5, kv_dtype=kd.value)
+        ref = paged_prefix_attention_torch(q.float(), kn.float(), vn.float(), got, **tables, mode=mode,
+                                           scale=D ** -0.5, kv_dtype=kd.value)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -25,11 +25,11 @@ import torch
 
 from .config import KVDtype
 
-__all__ = ["SCALE_BYTES", "dequantize", "layer_shape", "load_pages", "quantize", "scale_slots", "scales",
+__all__ = ["QMAX", "SCALE_BYTES", "dequantize", "layer_shape", "load_pages", "quantize", "scale_slots", "scales",
            "storage_dtype", "store", "token_page_size", "value_dtype", "values"]
 
 SCALE_BYTES = 4
-_QMAX = {KVDtype.INT8: 127.0, KVDtype.FP8_E4M3: 448.0}
+QMAX = {KVDtype.INT8: 127.0, KVDtype.FP8_E4M3: 448.0}  # the largest 8-bit magnitude used
 
 
 def value_dtype(kv_dtype: KVDtype) -> torch.dtype:
@@ -79,7 +79,7 @@ def scales(layer: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, kv_dtype: KVDtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x [..., D]`` (any float dtype) as 8-bit values ``[..., D]`` and fp32 scales ``[...]``."""
-    qmax = _QMAX[kv_dtype]
+    qmax = QMAX[kv_dtype]
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))

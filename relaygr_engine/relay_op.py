@@ -90,14 +90,15 @@ def relay_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _write(st, cache: torch.Tensor, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
     """Store the K/V of the batch rows the engine is keeping in one layer's pages (quantised when 8-bit)."""
-    if st.kv_dtype.quantized:
-        page_size = quant.token_page_size(st.kv_dtype, cache.shape[2], cache.shape[-1])
-        quant.store(cache, st.kv_dtype, page_size, st.write_pages, st.write_slots,
-                    k.index_select(0, st.write_rows), v.index_select(0, st.write_rows))
-        return
+    page_size = quant.token_page_size(st.kv_dtype, cache.shape[2], cache.shape[-1])
     if st.backend is AttentionBackend.TRITON:
         from .kernels.kv_write import kv_write
-        kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, cache.shape[2]), check_slots=False)
+        kv_write(cache, k.contiguous(), v.contiguous(), st.slot_mapping(rows, page_size), check_slots=False,
+                 kv_dtype=st.kv_dtype)
+        return
+    if st.kv_dtype.quantized:
+        quant.store(cache, st.kv_dtype, page_size, st.write_pages, st.write_slots,
+                    k.index_select(0, st.write_rows), v.index_select(0, st.write_rows))
         return
     dst = st.write_kv_rows
     flat.index_copy_(0, dst, k.index_select(0, st.write_rows))

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentParser, ChoiceList,
                         add_model_arguments, device, existing_file, require_modules)
+from ..config import KVDtype
 from . import report as rpt
 from . import slo_setup, slo_workers
 from .common import exceed_count
@@ -156,6 +157,10 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--hbm-mb", type=POSITIVE,
                    help="device KV cache budget (MiB) (default: 64 on the CPU; on CUDA 16 GiB, at most a fifth of "
                         "the device's memory)")
+    g.add_argument("--kv-dtype", default="model", choices=[k.value for k in KVDtype],
+                   help="how the relay's cache stores K/V: model (exact), int8 or fp8_e4m3 (8-bit values and a "
+                        "scale per token and head: about twice the prefixes in --hbm-mb; scores close to, not equal "
+                        "to, full inference)")
     g.add_argument("--dram-mb", type=NON_NEGATIVE,
                    help="DRAM expander budget of mode relay (MiB) (default: 256 on the CPU, --hbm-mb on CUDA)")
     g.add_argument("--lease-ms", type=POSITIVE, default=1000.0, help="pre-infer lease (relay window)")
@@ -559,6 +564,11 @@ def run(args, log: InteractionLog, source: str) -> dict:
     if not args.no_max_len:
         result["max_len_relay"] = rel["max_len"]["best"]
         result["max_len_baseline"] = base["max_len"]["best"]
+    # Capacity at the reference QPS: the cache's pages, the prefixes resident when the run ended, the share of
+    # rankings that found their prefix in device memory.
+    es = rel["at_ref"]["engine_stats"]
+    result.update(hbm_pages=es.get("pool_num_pages"), resident_prefixes=es.get("pool_entries"),
+                  hbm_hit_rate=rel["at_ref"]["hit_rates"].get("hbm", 0.0), kv_bits=es.get("kv_bits"))
     line = rpt.result_line(result)
     report = {
         "title": "Relay-race serving vs full inference under a P99 ranking SLO",
@@ -651,7 +661,8 @@ def _setup(args, model, source, wl, ref_qps, lat) -> dict:
                        "num_heads": cfg.num_heads, "head_dim": cfg.head_dim, "num_items": cfg.num_items,
                        "num_actions": cfg.num_actions, "max_seq_len": cfg.max_seq_len}, **extra["model"]),
         "execution": extra["execution"],
-        "cache": {"page_size": args.page_size, "hbm_mb": args.hbm_mb, "dram_mb_relay": args.dram_mb,
+        "cache": {"page_size": args.page_size, "hbm_mb": args.hbm_mb, "kv_dtype": args.kv_dtype,
+                  "dram_mb_relay": args.dram_mb,
                   "lease_ms": args.lease_ms, "chunk_tokens": args.chunk_tokens,
                   "store_misses": not args.no_store_misses, "cuda_graphs": args.cuda_graphs},
         "trigger": ("off (every pre-infer the cache can take)" if args.no_trigger else

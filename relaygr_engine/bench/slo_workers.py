@@ -85,7 +85,8 @@ def _relay(bench, dram_mb: float, trigger: bool, chunk_tokens: int, store_misses
 
     a = bench.args
     cc = CacheConfig(device=a.device, page_size=a.page_size, dtype=a.shape.torch_dtype,
-                     hbm_bytes=int(a.hbm_mb * 2**20), lease_ttl_s=a.lease_ms / 1e3, dram_bytes=int(dram_mb * 2**20))
+                     hbm_bytes=int(a.hbm_mb * 2**20), lease_ttl_s=a.lease_ms / 1e3, dram_bytes=int(dram_mb * 2**20),
+                     kv_dtype=a.kv_dtype)
     hook = None
     if trigger and not a.no_trigger:
         hook = TriggerHook(SequenceAwareTrigger(bench.lat, TriggerConfig(
