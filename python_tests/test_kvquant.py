@@ -291,3 +291,43 @@ def test_cuda_8bit_write_and_attention_match_the_torch_path(kd):
         ref = paged_prefix_attention_torch(q.float(), kn.float(), vn.float(), got, **tables, mode=mode,
                                            scale=D ** -0.5, kv_dtype=kd.value)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def test_bench_kvquant_trains_and_compares_on_a_log(tmp_path, capsys):
+    """``relaygr bench kvquant`` on a small log: trains, ranks held-out requests through each cache format, and
+    reports agreement with the model-dtype cache (itself equal to full inference) in its RESULT line."""
+    from relaygr_engine.bench import kvquant
+
+    g = torch.Generator().manual_seed(0)
+    rows = ["userId,movieId,rating,timestamp"]
+    for u in range(12):
+        for j in range(30):
+            rows.append(f"{u},{int(torch.randint(0, 40, (1,), generator=g))},{1 + j % 5}.0,{1000 + 60 * j}")
+    log = tmp_path / "r.csv"
+    log.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "k.json"
+    assert kvquant.main(["--data", str(log), "--steps", "3", "--requests", "12", "--candidates", "8",
+                         "--max-history", "24", "--json", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    for kind in ("hstu", "softmax"):
+        assert float(fields[f"{kind}_exact_max_abs"]) <= 1e-4
+        for name in ("int8", "fp8"):
+            assert 0 < float(fields[f"{kind}_{name}_max_abs"]) < 0.1
+            assert 0.5 <= float(fields[f"{kind}_{name}_top10"]) <= 1 and -1 <= float(fields[f"{kind}_{name}_tau"]) <= 1
+    with pytest.raises(SystemExit) as e:
+        kvquant.main(["--data", str(tmp_path / "missing.csv")])
+    assert e.value.code == 2 and "--data" in capsys.readouterr().err
+
+
+def test_agreement_of_rankings():
+    from relaygr_engine.bench.kvquant import agreement
+
+    a = torch.arange(20.0)
+    assert agreement(a, a) == (1.0, 1.0)
+    assert agreement(a, -a) == (0.0, -1.0)
+    b = a.clone()
+    b[[0, 1]] = b[[1, 0]]          # one swapped pair out of 190
+    top, tau = agreement(a, b)
+    assert top == 1.0 and abs(tau - (1 - 2 / 190)) < 1e-9
