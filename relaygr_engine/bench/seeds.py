@@ -134,7 +134,7 @@ def run_seeds(args, run) -> dict:
         plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(args.out, "crossover.png"))
     flat = {}
     for k in ("slo_throughput_ratio", "max_len_ratio", "slo_qps_relay", "slo_qps_baseline", "max_len_relay",
-              "max_len_baseline"):
+              "max_len_baseline", "resident_prefixes", "hbm_hit_rate", "hbm_pages"):
         if k in summary["result"]:
             v = summary["result"][k]
             flat.update({k: v["median"], f"{k}_min": v["min"], f"{k}_max": v["max"]})
