@@ -36,7 +36,9 @@ def request_time_of(history: Behaviors, request_time) -> Optional[int]:
         ``request_time`` not an integer in ``[0, 2**63)``, or given for a history without timestamps.
     """
     if request_time is None:
-        return None if history.timestamps is None else int(history.timestamps[-1])
+        if history.timestamps is None:
+            return None
+        return int(history.arrays()[2][-1] if history.device.type == "cpu" else history.timestamps[-1])
     if isinstance(request_time, bool):
         raise ValueError(f"request_time must be an integer time in seconds, got {request_time!r}")
     try:
@@ -56,6 +58,55 @@ _TENSOR_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candi
 
 def _cat(xs: list) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _join(xs: list) -> torch.Tensor:
+    """Host arrays joined into one CPU tensor (one numpy copy, no tensor op)."""
+    return torch.from_numpy(np.concatenate(xs))
+
+
+def _host_rows(h: Behaviors, start: int, c, t_c, items: list, actions: list, times: list) -> None:
+    """Append a host part's rows as numpy views: its history tokens from ``start`` (contextual, then behaviors), then
+    its candidates; zero actions and the first behavior's time on contextual rows, ``t_c`` on candidates."""
+    U = h.num_context_tokens
+    b0, n_ctx, C = max(0, start - U), max(0, U - start), 0 if c is None else c.numel()
+    ids, acts, ts, ctx = h.arrays()
+    if n_ctx:
+        items.append(ctx[start:])
+    items.append(ids[b0:])
+    if C:
+        items.append(c.numpy())
+    if acts is not None:
+        actions += [np.zeros(n_ctx, np.int64), acts[b0:], np.zeros(C, np.int64)]
+    if ts is not None:
+        times += [np.full(n_ctx, ts[0], np.int64), ts[b0:], np.full(C, 0 if t_c is None else t_c, np.int64)]
+
+
+def _device_rows(h: Behaviors, start: int, c, t_c, dev: torch.device, items: list, actions: list,
+                 times: list) -> None:
+    """:func:`_host_rows` for a batch built on ``dev``: host pieces moved there (non-blocking), tensor rows."""
+    if h.device != dev:
+        h = Behaviors(*ship([h.item_ids, h.action_ids, h.timestamps, h.context_ids], dev))
+    if c is not None and c.device != dev:
+        c = ship([c], dev)[0]
+    U = h.num_context_tokens
+    b0, n_ctx, C = max(0, start - U), max(0, U - start), 0 if c is None else c.numel()
+    items += [h.context_ids[start:], h.item_ids[b0:]] if n_ctx else [h.item_ids[b0:]]
+    if C:
+        items.append(c)
+    if h.action_ids is not None:
+        if n_ctx:
+            actions.append(h.action_ids.new_zeros(n_ctx))
+        actions.append(h.action_ids[b0:])
+        if C:
+            actions.append(h.action_ids.new_zeros(C))
+    if h.timestamps is not None:
+        ts = h.timestamps
+        if n_ctx:
+            times.append(ts[:1].expand(n_ctx))
+        times.append(ts[b0:])
+        if C:
+            times.append(ts.new_full((C,), t_c))
 
 
 def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
@@ -116,7 +167,8 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
     if len(history) == 0:
         raise ValueError("history must hold at least one behavior, got 0")
     if history.timestamps is not None:
-        low = int(history.timestamps.cpu().numpy().min())  # on the host: no device op on CPU
+        ts = history.arrays()[2] if history.device.type == "cpu" else history.timestamps.cpu().numpy()
+        low = int(ts.min())  # on the host: no device op on CPU
         if low < 0:
             raise ValueError(f"history.timestamps must be times in seconds >= 0, got {low}")
     if candidates is not None:
@@ -255,36 +307,18 @@ class RelayBatch:
                 raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev} or the cpu, got {got}")
             C = 0 if c is None else c.numel()
             t_c = request_time_of(h, t_req) if timed and C else None  # before a move: read on the host
-            if h.device != dev:  # host pieces of a batch built on the device: non-blocking copies
-                h = Behaviors(*ship([h.item_ids, h.action_ids, h.timestamps, h.context_ids], dev))
-            if c is not None and c.device != dev:
-                c = ship([c], dev)[0]
-            b0 = max(0, start - U)
-            n_ctx = max(0, U - start)
-            pieces = [h.context_ids[start:], h.item_ids[b0:]] if n_ctx else [h.item_ids[b0:]]
-            if C:
-                pieces.append(c)
-            items += pieces
-            if acted:
-                if n_ctx:
-                    actions.append(h.action_ids.new_zeros(n_ctx))
-                actions.append(h.action_ids[b0:])
-                if C:
-                    actions.append(h.action_ids.new_zeros(C))
-            if timed:
-                ts = h.timestamps
-                if n_ctx:
-                    times.append(ts[:1].expand(n_ctx))
-                times.append(ts[b0:])
-                if C:
-                    times.append(ts.new_full((C,), t_c))
+            if dev.type == "cpu":
+                _host_rows(h, start, c, t_c, items, actions, times)
+            else:
+                _device_rows(h, start, c, t_c, dev, items, actions, times)
             starts.append(start)
             rows.append(T - start + C)
             ncand.append(C)
-            nctx.append(n_ctx)
+            nctx.append(max(0, U - start))
             tokens.append(T)
-        return cls(item_ids=_cat(items), action_ids=_cat(actions) if acted else None,
-                   timestamps=_cat(times) if timed else None, **_structure(starts, rows, ncand, nctx, tokens, dev))
+        join = _join if dev.type == "cpu" else _cat
+        return cls(item_ids=join(items), action_ids=join(actions) if acted else None,
+                   timestamps=join(times) if timed else None, **_structure(starts, rows, ncand, nctx, tokens, dev))
 
     def __post_init__(self) -> None:
         if self.candidate_rows is None:  # built field by field: derive the row tables from the host layout

@@ -91,6 +91,22 @@ class Behaviors:
             return None
         return torch.cat([ts[:1].expand(U), ts]) if U else ts
 
+    def arrays(self) -> tuple:
+        """The tensors as host numpy arrays ``(item_ids, action_ids, timestamps, context_ids)`` (None stays None).
+
+        For a CPU history these are views of the tensors' memory, made once per history and kept (validation,
+        fingerprints and the batch rows all read them: one conversion per request); elsewhere host copies, made
+        on every call.
+        """
+        kept = self.__dict__.get("_arrays")
+        if kept is not None:
+            return kept
+        out = tuple(None if x is None else x.cpu().numpy()
+                    for x in (self.item_ids, self.action_ids, self.timestamps, self.context_ids))
+        if self.device.type == "cpu":
+            object.__setattr__(self, "_arrays", out)
+        return out
+
     def token_keys(self) -> np.ndarray:
         """What each history token is, for prefix fingerprints: int64 ``[T, 4]`` rows ``(kind, id, action, time)``.
 
@@ -99,17 +115,18 @@ class Behaviors:
         tokens in a prefix-stable model (with equal weights and the same presence of action ids and timestamps).
         """
         U, L = self.num_context_tokens, len(self)
+        items, actions, times, context = self.arrays()
         keys = np.zeros((U + L, 4), dtype=np.int64)
         keys[U:, 0] = 1
-        keys[U:, 1] = self.item_ids.cpu().numpy()
+        keys[U:, 1] = items
         keys[:, 2] = -1
-        if self.action_ids is not None:
-            keys[U:, 2] = self.action_ids.cpu().numpy()
+        if actions is not None:
+            keys[U:, 2] = actions
         if U:
-            keys[:U, 1] = self.context_ids.cpu().numpy()
-        ts = self.token_timestamps()
-        if ts is not None:
-            keys[:, 3] = ts.cpu().numpy()
+            keys[:U, 1] = context
+        if times is not None:
+            keys[U:, 3] = times
+            keys[:U, 3] = times[0]  # contextual tokens take the first behavior's time (token_timestamps)
         return keys
 
     def prefix(self, n: int) -> "Behaviors":

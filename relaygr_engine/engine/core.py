@@ -206,7 +206,7 @@ class RelayEngine:
             preps.append(self._prepare(item[0], item[1]))
         t = _clock(now)
         c, ttl = self.state.counters, self.config.lease_ttl_s
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self.index.held():
             self.state.spill_expired(t)
             tickets: list[Optional[PrefixTicket]] = [None] * len(preps)
             jobs: list[Job] = []
@@ -341,7 +341,7 @@ class RelayEngine:
                 raise ValueError(f"requests[{i}] must be a RankRequest, got {type(r).__name__}")
             preps.append(self._prepare(r.user_id, r.history, r.candidates, r.request_time, r.ticket, rank=True))
         t = _clock(now)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self.index.held():
             self.state.spill_expired(t)
             pins: dict = {}
             reloaded: set = set()  # reloaded from DRAM in this call, first reader not yet served

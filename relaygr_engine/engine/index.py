@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -33,6 +34,22 @@ class PrefixIndex:
         # user -> fingerprint -> (model identity, flags, token keys) of each entry of either tier
         self._entry_keys: dict[int, dict[int, tuple]] = {}
         self._prune_at = 1024
+        self._held: Optional[int] = None  # the identity read once for the engine call running now
+
+    @contextmanager
+    def held(self) -> Iterator[int]:
+        """Read the model identity once for one engine call (under the engine lock): every fingerprint and match
+        inside uses that value instead of rehashing the weights' versions per request."""
+        outer = self._held
+        self._held = self.identity() if outer is None else outer
+        try:
+            yield self._held
+        finally:
+            self._held = outer
+
+    def current(self) -> int:
+        """The model identity: the held one inside :meth:`held`, else read now."""
+        return self.identity() if self._held is None else self._held
 
     @staticmethod
     def flags(p: Prepared) -> bytes:
@@ -41,7 +58,7 @@ class PrefixIndex:
     def fingerprints(self, p: Prepared, lengths) -> dict[int, int]:
         """Fingerprints of the first ``n`` tokens of ``p`` for each ``n`` in ``lengths``."""
         h = hashlib.blake2b(digest_size=8)
-        h.update(self.identity().to_bytes(8, "little"))
+        h.update(self.current().to_bytes(8, "little"))
         h.update(self.flags(p))
         out, done = {}, 0
         for n in sorted(set(lengths)):
@@ -66,7 +83,7 @@ class PrefixIndex:
         recs = self._entry_keys.setdefault(u, {})
         for old in [f for f in recs if f != fp and not self._live(u, f)]:
             del recs[old]
-        recs[fp] = (self.identity(), self.flags(p), p.keys[:n])
+        recs[fp] = (self.current(), self.flags(p), p.keys[:n])
         if len(self._entry_keys) > self._prune_at:
             for user in [v for v in self._entry_keys if v != u]:
                 kept = {f: r for f, r in self._entry_keys[user].items() if self._live(user, f)}
@@ -88,6 +105,8 @@ class PrefixIndex:
         if ident != identity or flags != self.flags(p):
             return 0
         k = min(n, limit, ek.shape[0], p.num_tokens)
+        if np.array_equal(ek[:k], p.keys[:k]):
+            return k
         diff = np.flatnonzero((ek[:k] != p.keys[:k]).any(axis=1))
         return k if diff.size == 0 else int(diff[0])
 
@@ -104,7 +123,7 @@ class PrefixIndex:
         entries = [(fp, n) for fp, n in entries if (u, fp) not in skip]
         if not entries:
             return None
-        identity = self.identity()
+        identity = self.current()
         best = None
         for fp, n in entries:
             m = self._common(p, fp, n, max_tokens, identity)

@@ -20,9 +20,10 @@ from .layers import make_layer
 __all__ = ["GRRanker", "build_ranker"]
 
 
-def _check_range(name: str, x: torch.Tensor, hi: int) -> None:
-    if x.device.type == "cpu":  # on the host: numpy's reductions, no tensor ops
-        a = x.numpy()
+def _check_range(name: str, x, hi: int) -> None:
+    """ValueError unless every id of ``x`` (a tensor, or a host array) is in ``[0, hi)``."""
+    if isinstance(x, np.ndarray) or x.device.type == "cpu":  # on the host: numpy's reductions, no tensor ops
+        a = x if isinstance(x, np.ndarray) else x.numpy()
         lo_v, hi_v = int(a.min()), int(a.max())
     else:
         lo_v, hi_v = int(x.min()), int(x.max())
@@ -122,16 +123,19 @@ class GRRanker(nn.Module):
         if self.num_tokens(history) > cfg.max_seq_len:
             raise ValueError(f"history must have at most max_seq_len={cfg.max_seq_len} tokens "
                              f"({cfg.num_context_tokens} contextual + behaviors), got {self.num_tokens(history)}")
-        _check_range("history.item_ids", history.item_ids, cfg.num_items)
-        if history.action_ids is not None:
-            _check_range("history.action_ids", history.action_ids, cfg.num_actions)
+        host = history.device.type == "cpu"
+        ids, acts, _, ctx_ids = history.arrays() if host else (history.item_ids, history.action_ids, None,
+                                                                history.context_ids)
+        _check_range("history.item_ids", ids, cfg.num_items)
+        if acts is not None:
+            _check_range("history.action_ids", acts, cfg.num_actions)
         ctx = history.context_ids
         if cfg.num_context_tokens:
             if ctx is None or ctx.numel() != cfg.num_context_tokens:
                 got = None if ctx is None else ctx.numel()
                 raise ValueError(f"history.context_ids must have {cfg.num_context_tokens} entries "
                                  f"(num_context_tokens), got {got}")
-            _check_range("history.context_ids", ctx, cfg.context_vocab_size)
+            _check_range("history.context_ids", ctx_ids, cfg.context_vocab_size)
         elif ctx is not None:
             raise ValueError(f"history.context_ids must be None: the model has no contextual tokens, got "
                              f"{ctx.numel()} ids")
