@@ -53,6 +53,7 @@ class Config:
     num_warps: int
     num_stages: int
     persistent: bool = False
+    kv_dtype: str = "model"   # "int8" / "fp8_e4m3": 8-bit pages (relaygr_engine.quant)
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,13 @@ def attention_types(pointer: str) -> dict:
     return types
 
 
-def attention_values(head_dim: int, page_size: int, heads: int) -> dict:
+def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[int] = None) -> dict:
     """The integer arguments of a launch whose values are fixed by the shapes (contiguous ``[rows, H, D]`` inputs
-    and cache ``[pages, 2, page_size, H, D]``), for the launcher's specialisation."""
-    row = heads * head_dim
-    values = dict(num_heads=heads, stride_ts_page=page_size, stride_page=2 * page_size * row,
-                  stride_kv=page_size * row, stride_slot=row, stride_head=head_dim)
+    and cache ``[pages, 2, slots, H, D]``, ``slots = page_size`` unless 8-bit), for the launcher's
+    specialisation."""
+    row, slots = heads * head_dim, slots or page_size
+    values = dict(num_heads=heads, stride_ts_page=page_size, stride_page=2 * slots * row,
+                  stride_kv=slots * row, stride_slot=row, stride_head=head_dim)
     for t in "qkvo":
         values.update({f"stride_{t}t": row, f"stride_{t}h": head_dim})
     return values
@@ -128,9 +130,11 @@ def attention_values(head_dim: int, page_size: int, heads: int) -> dict:
 
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
-                      cand_tiles: bool = True, bias: bool = True, heads: int = 4):
+                      cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model"):
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both in-kernel
-    biases on (or, ``bias=False``, none)."""
+    biases on (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``)."""
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels import _common as C
     from relaygr_engine.kernels import prefix_attention as pa
 
@@ -142,10 +146,13 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       HAS_TS=biased, TS_BITS=ts_bits,
                       TS_STEPS=ts_steps, TS_TABLE=False, TS_ABS=False,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
-                      KV8=False)
-    return compile_kernel(pa._prefix_attention_kernel, attention_types("*" + dtype), constexprs, arch=arch,
-                          num_warps=num_warps, num_stages=num_stages,
-                          values=attention_values(head_dim, page_size, heads))
+                      KV8=KVDtype(kv_dtype).quantized)
+    types = attention_types("*" + dtype)
+    if constexprs["KV8"]:
+        types["kv_ptr"] = "*i8" if kv_dtype == "int8" else "*fp8e4nv"
+    slots = quant.layer_shape(KVDtype(kv_dtype), 1, page_size, heads, head_dim)[2]
+    return compile_kernel(pa._prefix_attention_kernel, types, constexprs, arch=arch, num_warps=num_warps,
+                          num_stages=num_stages, values=attention_values(head_dim, page_size, heads, slots))
 
 
 def ptxas_report(ptx: str, arch: int = 90) -> tuple[int, int, int]:
@@ -175,7 +182,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
         kernel = compile_attention(cfg.mode.split("-")[0], cfg.head_dim, cfg.block_m, cfg.block_n,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
-                                   bias=cfg.mode == "hstu")
+                                   bias=cfg.mode == "hstu", kv_dtype=cfg.kv_dtype)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -244,6 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="build the one-tile-per-program kernel, the persistent one, or both")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
+                    help="pages in the model's dtype (model) or 8-bit with per-token scales")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
@@ -278,7 +287,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
         grid = [Config(*c) for c in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers)]
-    print(f"target=sm_{opts.arch} dtype={opts.dtype} page_size={opts.page_size} triton={triton.__version__} "
+    grid = [dataclasses.replace(c, kv_dtype=opts.kv_dtype) for c in grid]
+    print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
+          f"triton={triton.__version__} "
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
@@ -300,6 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
                       default_over_smem=sum(not b.fits for b in default))
     fields.update(_bias_ratios(rows))
+    fields["kv_dtype"] = opts.kv_dtype
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()) + f" triton={triton.__version__}")
     return 0
 
