@@ -115,7 +115,7 @@ def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
     ``tokens`` (each user's history length ``T``) may be None: the positions are then not made.
     """
     B = len(rows)
-    m, C, U, P = (np.asarray(x, np.int64).reshape(B) for x in (rows, ncand, nctx, starts))
+    m, C, U, P = np.array([rows, ncand, nctx, starts], np.int64).reshape(4, B)       # one copy
     R = int(m.sum())
     seg = np.repeat(np.arange(B, dtype=np.int64), m)
     ends = np.cumsum(m)
@@ -131,8 +131,8 @@ def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
     names = list(host)
     moved = ship([torch.from_numpy(host[n]) for n in names], dev)
     out = dict(zip(names, moved))
-    out.update(start=tuple(int(x) for x in starts), rows=tuple(int(x) for x in rows),
-               candidates_per_user=tuple(int(x) for x in ncand), has_prefix=bool(P.any()))
+    out.update(start=tuple(map(int, starts)), rows=tuple(map(int, rows)), candidates_per_user=tuple(map(int, ncand)),
+               has_prefix=bool(P.any()))
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
-from ._host import to_device
+from ._host import ship, to_device
 from .config import AttentionMode, KVDtype, TimeBucket
 from .ops import time_buckets
 
@@ -120,6 +120,11 @@ class TorchPlan:
 _MASK_BIG = 1e30
 
 
+def _tensors(arrays: list, device: torch.device) -> list:
+    """Host arrays as tensors on ``device``: views on the CPU, one copy elsewhere (:func:`relaygr_engine._host.ship`)."""
+    return ship([torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], device)
+
+
 @functools.lru_cache(maxsize=8)
 def _mask_values(device: torch.device) -> torch.Tensor:
     return torch.tensor([0.0, -_MASK_BIG], device=device)
@@ -149,15 +154,20 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     K = max((p + m for p, m in zip(prefix_lens, rows)), default=0)
     if B == 0 or M == 0 or M * K > MAX_ROWS_X_KEYS or B * num_heads * M * K > MAX_PADDED_SCORES:
         return None
-    m, P = np.asarray(rows, np.int64)[:, None], np.asarray(prefix_lens, np.int64)[:, None]   # [B, 1]
-    n = m - np.asarray(num_candidates, np.int64)[:, None]                                     # history rows
-    S, R = int(P.sum()), int(m.sum())
-    s0, r0 = np.cumsum(P) - P[:, 0], np.cumsum(m) - m[:, 0]                                   # [B]
+    mPC = np.array([rows, prefix_lens, num_candidates], np.int64)                            # [3, B]: one copy
+    m, P = mPC[0][:, None], mPC[1][:, None]                                                   # [B, 1]
+    n = m - mPC[2][:, None]                                                                   # history rows
+    S, R = int(mPC[1].sum()), int(mPC[0].sum())
+    s0, r0 = np.cumsum(mPC[1]) - mPC[1], np.cumsum(mPC[0]) - mPC[0]                           # [B]
     # Cached token t of user b: page prefix_pages[b][t // page_size], slot t % page_size (users' tokens in order).
-    t = np.arange(S) - np.repeat(s0, P[:, 0])
-    lens = np.asarray([len(x) for x in prefix_pages], np.int64)
-    page_of = np.concatenate([np.asarray(x, np.int64) for x in prefix_pages]) if S else np.zeros(0, np.int64)
-    page = page_of[np.repeat(np.cumsum(lens) - lens, P[:, 0]) + t // page_size] if S else t
+    if B == 1:
+        t = np.arange(S)
+        page = np.asarray(prefix_pages[0], np.int64)[t // page_size] if S else t
+    else:
+        t = np.arange(S) - np.repeat(s0, mPC[1])
+        lens = np.fromiter((len(x) for x in prefix_pages), np.int64, B)
+        page_of = np.concatenate(prefix_pages).astype(np.int64, copy=False) if S else np.zeros(0, np.int64)
+        page = page_of[np.repeat(np.cumsum(lens) - lens, mPC[1]) + t // page_size] if S else t
     slot = t % page_size
     stride = slots_per_page or page_size
     k_slots = page * (2 * stride) + slot
@@ -170,26 +180,32 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
     row = i < m                                                                              # [B, M]
     qidx = np.where(row, r0[:, None] + i, 0)
     out_idx = (np.arange(B)[:, None] * M + i)[row]
-    i3, j3, P3, n3, m3 = i[..., None], j[:, None, :], P[..., None], n[..., None], m[..., None]
-    hist = (j3 <= P3 + i3) & (i3 < n3)                        # history rows: causal over prefix + new history
-    cand = (i3 >= n3) & (i3 < m3) & ((j3 < P3 + n3) | (j3 == P3 + i3))  # candidates: the history and themselves
-    visible = hist | cand                                                                    # [B, M, K]
+    # Row i (i < m) sees keys j < P + min(i + 1, n) (history: causal; candidate: the whole history) and its own
+    # key P + i (a candidate sees itself, no other candidate); padded rows see nothing.
+    own = P + i                                                                              # [B, M]
+    visible = ((j[:, None, :] < (P + np.minimum(i + 1, n))[..., None]) | (j[:, None, :] == own[..., None]))
+    visible &= row[..., None]                                                                # [B, M, K]
     dist = (P + np.minimum(i, n))[:, :, None] - np.minimum(j, P + n)[:, None, :]              # pos_q - pos_k
-    as_t = (lambda a: to_device(a, a.dtype, device))
     shape = (1, M, K) if B == 1 else (B, 1, M, K)  # one user: broadcast over the heads of 3-D products
-    plan = TorchPlan(B, M, K, as_t(np.concatenate([k_slots, k_slots + stride])), as_t(kvidx),
-                     as_t(qidx.reshape(-1)), as_t(out_idx), as_t(visible.reshape(shape)), as_t(~visible[:, None]),
-                     as_t(dist[:, None]), _mask_values(device))
+    plan = TorchPlan(B, M, K, *_tensors([np.concatenate([k_slots, k_slots + stride]), kvidx, qidx.reshape(-1),
+                                         out_idx, visible.reshape(shape), ~visible[:, None], dist[:, None]], device),
+                     _mask_values(device))
     if slots_per_page is not None:  # fp32 rows of H: a section is slots * D / 4 of them, its scales after ps * D / 4
         per = slots_per_page * head_dim // 4
         sc = page * (2 * per) + page_size * head_dim // 4 + slot
-        plan.scale_rows = as_t(np.concatenate([sc, sc + per]))
+        plan.scale_rows = to_device(np.concatenate([sc, sc + per]), np.int64, device)
     if ts_rows is not None:
-        t_cached = ts_cache.view(-1)[as_t(page * page_size + slot)] if S else ts_rows[:0]
-        kidx = np.where(valid & ~cached, kk - S, kk)  # the key's row in cat(cached times [S], row times [R])
-        t_keys = torch.cat([t_cached, ts_rows]).index_select(0, as_t(kidx.reshape(-1)))
-        plan.t_q = ts_rows.index_select(0, plan.qidx).view(B, 1, M, 1)
-        plan.t_k = t_keys.view(B, 1, 1, K)
+        kidx = np.where(valid & ~cached, kk - S, kk).reshape(-1)  # the key's row in cat(cached times, row times)
+        if device.type == "cpu":  # tiny gathers: numpy on the host (no tensor op)
+            rows_t = ts_rows.numpy()
+            t_cached = ts_cache.numpy().reshape(-1)[page * page_size + slot] if S else rows_t[:0]
+            t_keys = np.concatenate([t_cached, rows_t])[kidx]
+            plan.t_q, plan.t_k = _tensors([rows_t[qidx].reshape(B, 1, M, 1), t_keys.reshape(B, 1, 1, K)], device)
+        else:
+            t_cached = ts_cache.view(-1)[to_device(page * page_size + slot, np.int64, device)] if S else ts_rows[:0]
+            t_keys = torch.cat([t_cached, ts_rows]).index_select(0, to_device(kidx, np.int64, device))
+            plan.t_q = ts_rows.index_select(0, plan.qidx).view(B, 1, M, 1)
+            plan.t_k = t_keys.view(B, 1, 1, K)
     return plan
 
 
