@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
-# Steps: env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas (all by default;
+# Steps: env tests-gpu kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small tiers slo slo-graphs tests-cuda
+# kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
@@ -31,7 +32,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu sync rank rank-small profile tiers slo slo-graphs tests-cuda kernels kernels-persistent ptxas}
+STEPS=${STEPS:-env tests-gpu kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -50,6 +51,9 @@ step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 # The kernel first: its RESULT has matmul_fraction_long_{softmax,hstu} beside the matmul rate of the same run.
 step kernels 900 $PY -m relaygr_engine.cli bench kernels --json "${OUT_DIR}/kernels.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
+# The 8-bit cache: the same shapes' pages in fp8 and int8 beside bf16 (kv8_speedup, kv8_err).
+step kernels-fp8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype fp8_e4m3 --json "${OUT_DIR}/kernels-fp8.json"
+step kernels-int8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype int8 --json "${OUT_DIR}/kernels-int8.json"
 step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"

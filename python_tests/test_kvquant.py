@@ -331,3 +331,16 @@ def test_agreement_of_rankings():
     b[[0, 1]] = b[[1, 0]]          # one swapped pair out of 190
     top, tau = agreement(a, b)
     assert top == 1.0 and abs(tau - (1 - 2 / 190)) < 1e-9
+
+
+def test_bench_kernels_times_8bit_pages_beside_the_model_dtype():
+    """``relaygr bench kernels --kv-dtype int8`` (interpreter smoke): each shape's pages also timed in int8, with
+    the speed ratio and the error against the model-dtype pages in its RESULT line."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    proc = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "bench", "kernels", "--device", "cpu",
+                           "--kv-dtype", "int8"], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fields = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
+    assert fields["kv_dtype"] == "int8" and float(fields["geomean_kv8_speedup"]) > 0
+    assert 0 < float(fields["max_kv8_err"]) < 0.05

@@ -220,9 +220,25 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 
 # ------------------------------------------------------------------------------------------------ one shape
+def _quantized(kv_cache: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """The same pages in an 8-bit cache format (:mod:`relaygr_engine.quant`)."""
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
+
+    kd = KVDtype(kv_dtype)
+    P, _, ps, H, D = kv_cache.shape
+    layer = torch.zeros(quant.layer_shape(kd, P, ps, H, D), dtype=torch.uint8, device=kv_cache.device)
+    ids = torch.arange(P * ps, device=kv_cache.device)
+    quant.store(layer, kd, ps, ids // ps, ids % ps, kv_cache[:, 0].reshape(-1, H, D),
+                kv_cache[:, 1].reshape(-1, H, D))
+    return layer
+
+
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
-              block_m: Optional[int] = None) -> dict:
-    """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row."""
+              block_m: Optional[int] = None, kv_dtype: str = "model") -> dict:
+    """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
+    8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
+    dtype's pages, ``kv8_err`` against them)."""
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
@@ -258,6 +274,12 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
                speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3, max_abs_err=err,
                gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense")
+    if kv_dtype != "model":
+        qargs = dict(args, kv_cache=_quantized(args["kv_cache"], kv_dtype))
+        out8 = prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype)
+        t8 = _time(lambda: prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype),
+                   device, warmup, iters)
+        row.update(kv8_ms=t8 * 1e3, kv8_speedup=t_paged / t8, kv8_err=float((out8.float() - out.float()).abs().max()))
     if device.type == "cuda":
         mm = _matmul_tflops(flops, device, torch.bfloat16, warmup, iters)
         row.update(matmul_tflops=mm, matmul_fraction=row["tflops"] / mm)
@@ -301,6 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--block-m", default="auto",
                     help="query rows per tile: auto (the kernel's rule) or a comma-separated list to compare, e.g. "
                          "64,128 (each shape runs once per value)")
+    ap.add_argument("--kv-dtype", default="model", choices=("model", "int8", "fp8_e4m3"),
+                    help="also time each shape's pages in this 8-bit format (kv8_ms, kv8_speedup; fp8 on CUDA only)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     opts = ap.parse_args(argv)
 
@@ -339,7 +363,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(head)
     rows = []
     for shape, block_m in itertools.product(shapes, block_ms):
-        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent, block_m=block_m)
+        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent, block_m=block_m,
+                      kv_dtype=opts.kv_dtype)
         rows.append(r)
         line = (f"{shape.name:<62} {r['block_m']:>4} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
                 f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -360,6 +385,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=geo(sm) if sm else None,
                    geomean_speedup_vs_recompute=geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
+    if opts.kv_dtype != "model":
+        summary.update(kv_dtype=opts.kv_dtype, geomean_kv8_speedup=geo([r["kv8_speedup"] for r in rows]),
+                       max_kv8_err=max(r["kv8_err"] for r in rows))
     if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
         for bm in block_ms:
             picked = [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"]
