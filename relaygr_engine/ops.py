@@ -554,7 +554,9 @@ def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_pag
     ts_cache : LongTensor [num_pages, page_size], optional
         Timestamps of the cached tokens, beside the pages.
     ts_q : LongTensor [total_q], optional
-        Timestamps of the query rows (a candidate's is the request time).
+        Timestamps of the query rows (a candidate's is the request time). A user's candidates share one query
+        time, as every ``RelayBatch`` builds them: the Triton kernel reads the user's first candidate's (its
+        candidate tiles compute the time bias once per key), the torch reference each row's.
     time_bucket : {"log2", "ln_0301", "sqrt_60"}
         hstu: the bucket function of ``ts_bias`` (:class:`~relaygr_engine.config.TimeBucket`; ``NB <= 64`` for
         ``"log2"``, ``<= 4096`` otherwise).
