@@ -1,5 +1,5 @@
-"""The paged prefix-attention kernel (``@triton.jit`` code and its configs); the launcher is
-:mod:`relaygr_engine.kernels.prefix_attention`.
+"""The paged prefix-attention kernel (``@triton.jit`` code; its configs are in
+:mod:`relaygr_engine.kernels._prefix_config`, the launcher in :mod:`relaygr_engine.kernels.prefix_attention`).
 
 A launch serves one kind of tile of a varlen batch (``CAND_TILES``): a tile is ``BLOCK_M`` consecutive query rows of
 one user and one head, all new history rows or all candidates, never both. A program takes one tile (or, with a
@@ -22,9 +22,6 @@ pointwise: no running max). Only pointer arithmetic with masks is used (no block
 the same source runs through triton-ascend and Triton's CPU interpreter.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Optional
 
 import triton
 import triton.language as tl
@@ -222,6 +219,33 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
     return k, v, t_k
 
 
+@triton.jit
+def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+                TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, MASKED: tl.constexpr):
+    """One block of cached keys ``start + offs_n`` (in ``page``) into the running state; with ``MASKED`` the keys
+    ``>= hi`` are hidden (the user's last block)."""
+    BIAS: tl.constexpr = HAS_POS or HAS_TS
+    k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page, stride_kv,
+                            stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, MASKED)
+    vs = 0.0
+    if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
+        ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv, stride_slot,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if KV8:
+        s = s * ks[None, :]
+    bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                     num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS) if BIAS else 0.0
+    visible = (start + offs_n < hi)[None, :] if MASKED else 0
+    return _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, MASKED, DOT_PRECISION, KV8)
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 @triton.jit(do_not_specialize=BATCH_ARGS)
 def prefix_attention_kernel(
@@ -299,41 +323,20 @@ def prefix_attention_kernel(
         page = _page_ids(kv_indices_ptr, page_lo, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
         for start in range(lo, full_hi, BLOCK_N):
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
-            k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page,
-                                    stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    HAS_TS, False)
-            vs = 0.0
-            if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
-                ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv,
-                                      stride_slot, PAGE_SIZE, BLOCK_N, False)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if KV8:
-                s = s * ks[None, :]
-            bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
-                             TS_ABS) if BIAS else 0.0
-            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, 0, scale, qk_scale, vs, HSTU, BIAS, False,
-                                    DOT_PRECISION, KV8)
+            acc, m_i, l_i = _page_block(
+                acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
+                TS_TABLE, TS_ABS, DOT_PRECISION, KV8, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
-            k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, full_hi, hi, offs_n, offs_d, head_off, stride_page,
-                                    stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    HAS_TS, True)
-            vs = 0.0
-            if KV8:
-                ks, vs = _page_scales(kvs_ptr, page, full_hi, hi, offs_n, head, num_heads, stride_page, stride_kv,
-                                      stride_slot, PAGE_SIZE, BLOCK_N, True)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if KV8:
-                s = s * ks[None, :]
-            bias = _key_bias(q_pos, full_hi + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
-                             TS_ABS) if BIAS else 0.0
-            visible = (full_hi + offs_n < hi)[None, :]
-            acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, True,
-                                    DOT_PRECISION, KV8)
+            acc, m_i, l_i = _page_block(
+                acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
+                TS_TABLE, TS_ABS, DOT_PRECISION, KV8, True)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)
@@ -383,87 +386,3 @@ def prefix_attention_kernel(
                 out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-# ------------------------------------------------------------------------------------------------ configs
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and launch shape of one call: rows of a candidate tile (``block_m``) and of a history tile
-    (``hist_block_m``), keys per block (``block_n=None``: autotuned on CUDA)."""
-
-    block_m: int
-    block_n: Optional[int]
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    hist_block_m: Optional[int] = None
-
-    def __post_init__(self):
-        if self.hist_block_m is None:
-            object.__setattr__(self, "hist_block_m", self.block_m)
-
-
-# Interpreter: small tiles keep numpy work per step low while leaving few steps per tile.
-INTERPRETER_BLOCK_M = 32
-INTERPRETER_BLOCK_N = 32
-# NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
-NPU_BLOCK_M = 64
-NPU_BLOCK_N = 64
-# CUDA, 8 warps (two warp groups). Candidate tiles of 128 rows: each warp group owns 64 rows (one wgmma M on sm_90),
-# so a key block's K/V serve 128 candidates and no score is computed twice (at 64 rows over 8 warps both groups
-# compute the same scores). History tiles of 64 rows: new history is short, and the per-(row, key) bias of a
-# 128-row tile spills at head dim 256. BLOCK_N and stages are autotuned over the configs that compile spill-free
-# (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16; benchmarks/results/).
-CUDA_BLOCK_M = 128
-CUDA_HIST_BLOCK_M = 64
-CUDA_NUM_WARPS = 8
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_stages=s) for bn in (32, 64)
-                for s in (2, 3)]
-# Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
-SPLIT_ALIGN = 128
-# No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
-# never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
-# caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
-AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT",
-                 "SPLIT", "KV8"]
-
-
-def prune_configs(configs, named_args, **kwargs):
-    """The autotune candidates of a variant that compile spill-free on sm_90 (bf16, 8 warps): ``BLOCK_N = 32`` above
-    head dim 128, and for HSTU history tiles (a per-(row, key) bias) from head dim 128, there with 2 stages only
-    above 128. Every other config of :data:`CUDA_CONFIGS` is kept."""
-    meta = {**named_args, **kwargs}
-    head_dim, hist = meta.get("HEAD_DIM", 0), meta.get("HSTU", False) and not meta.get("CAND_TILES", True)
-    kept = [c for c in configs
-            if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (hist and head_dim >= 128)))
-            and (c.num_stages <= 2 or not (hist and head_dim > 128))]
-    return kept or configs[:1]
-
-
-def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, block_n: Optional[int] = None, *,
-                interpreted: bool = False) -> KernelConfig:
-    """Tile sizes for a call; ``block_m`` sets both kinds of tile; ``block_n=None`` on CUDA means "autotune" (see
-    the rule above ``CUDA_CONFIGS``)."""
-    if interpreted or device.type == "cpu":
-        return KernelConfig(block_m or INTERPRETER_BLOCK_M, block_n or INTERPRETER_BLOCK_N)
-    if device.type == "npu":  # pragma: no cover - needs an Ascend host
-        return KernelConfig(block_m or NPU_BLOCK_M, block_n or NPU_BLOCK_N)
-    return KernelConfig(block_m or CUDA_BLOCK_M, block_n, num_warps=CUDA_NUM_WARPS if block_n else None,
-                        num_stages=2 if block_n else None, hist_block_m=block_m or CUDA_HIST_BLOCK_M)
-
-
-_autotuned = None
-
-
-def reset_autotuning() -> None:
-    """Forget the autotuned configs chosen so far (the next call of each variant tunes again)."""
-    if _autotuned is not None:
-        _autotuned.cache.clear()
-
-
-def autotuned_kernel():
-    """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
-    global _autotuned
-    if _autotuned is None:
-        _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS,
-                                     prune_configs_by={"early_config_prune": prune_configs})(prefix_attention_kernel)
-    return _autotuned

@@ -35,8 +35,8 @@ from .._host import ship
 from ..config import AttentionMode, KVDtype, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_kernel import (BATCH_ARGS, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
-                             prefix_attention_kernel, reset_autotuning)
+from ._prefix_config import KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config, reset_autotuning
+from ._prefix_kernel import BATCH_ARGS, prefix_attention_kernel
 from ._split import merge_splits, pick_splits
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",

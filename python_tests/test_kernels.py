@@ -558,7 +558,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     import importlib.util
     import subprocess
 
-    from relaygr_engine.kernels import _prefix_kernel as K
+    from relaygr_engine.kernels import _prefix_config as K
 
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")

@@ -195,7 +195,7 @@ def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf1
     and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default)."""
     import torch
 
-    from relaygr_engine.kernels import _prefix_kernel as K
+    from relaygr_engine.kernels import _prefix_config as K
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     grid = []
