@@ -139,9 +139,7 @@ def test_the_op_checks_the_cache_format():
     fp32_cache = torch.randn(1, 2, 4, 2, 16)
     with pytest.raises(ValueError, match="kv_cache must be torch.uint8"):
         rg.paged_prefix_attention(q, q, q, fp32_cache, **tables, mode="softmax", scale=0.25, kv_dtype="int8")
-    layer = torch.zeros(quant.layer_shape(KVDtype.INT8, 1, 4, 2, 16), dtype=torch.uint8)
-    quant.store(layer, KVDtype.INT8, 4, torch.zeros(4, dtype=torch.long), torch.arange(4), fp32_cache[0, 0],
-                fp32_cache[0, 1])
+    layer = quant.quantize_pages(fp32_cache, KVDtype.INT8)
     out = rg.paged_prefix_attention(q, q, q, layer, **tables, mode="softmax", scale=0.25, kv_dtype="int8")
     ref = rg.paged_prefix_attention(q, q, q, fp32_cache, **tables, mode="softmax", scale=0.25)
     assert 0 < (out - ref).abs().max() < 0.02
@@ -164,12 +162,7 @@ TRITON_INT8 = textwrap.dedent("""
     for seed, (users, ps) in enumerate([([(45, 10, 50), (16, 3, 2), (0, 0, 7), (130, 0, 33)], 16),
                                         ([(100, 5, 20), (64, 40, 3)], 32), ([(70, 2, 9)], 24)]):
         args, bias = make_problem(users, ps, 2, 32, seed=seed)
-        P, _, _, H, D = args["kv_cache"].shape
-        layer = torch.zeros(quant.layer_shape(KVDtype.INT8, P, ps, H, D), dtype=torch.uint8)
-        kv = args["kv_cache"].nan_to_num(0.0)
-        quant.store(layer, KVDtype.INT8, ps, torch.arange(P).repeat_interleave(ps), torch.arange(ps).repeat(P),
-                    kv[:, 0].reshape(-1, H, D), kv[:, 1].reshape(-1, H, D))
-        args["kv_cache"] = layer
+        args["kv_cache"] = quant.quantize_pages(args["kv_cache"].nan_to_num(0.0), KVDtype.INT8)
         for mode in ("softmax", "hstu"):
             kw = attention_kwargs(mode, bias, 32)
             ref = paged_prefix_attention_torch(**args, **{{k: kw.get(k) for k in ("mode", "scale", "pos_bias",

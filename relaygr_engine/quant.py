@@ -25,7 +25,8 @@ import torch
 
 from .config import KVDtype
 
-__all__ = ["QMAX", "SCALE_BYTES", "dequantize", "layer_shape", "load_pages", "quantize", "scale_slots", "scales",
+__all__ = ["QMAX", "SCALE_BYTES", "dequantize", "layer_shape", "load_pages", "quantize", "quantize_pages",
+           "scale_slots", "scales",
            "storage_dtype", "store", "token_page_size", "value_dtype", "values"]
 
 SCALE_BYTES = 4
@@ -111,3 +112,13 @@ def load_pages(layer: torch.Tensor, kv_dtype: KVDtype, page_size: int, pages: to
     vals = values(layer, kv_dtype, page_size).index_select(0, pages)
     sc = scales(layer, page_size).index_select(0, pages)
     return dequantize(vals[:, 0], sc[:, 0], dtype), dequantize(vals[:, 1], sc[:, 1], dtype)
+
+
+def quantize_pages(kv_cache: torch.Tensor, kv_dtype: KVDtype) -> torch.Tensor:
+    """A whole layer ``kv_cache [num_pages, 2, page_size, H, D]`` in the model's dtype as a quantised layer (every
+    slot of every page)."""
+    P, _, ps, H, D = kv_cache.shape
+    layer = torch.zeros(layer_shape(kv_dtype, P, ps, H, D), dtype=torch.uint8, device=kv_cache.device)
+    ids = torch.arange(P * ps, device=kv_cache.device)
+    store(layer, kv_dtype, ps, ids // ps, ids % ps, kv_cache[:, 0].reshape(-1, H, D), kv_cache[:, 1].reshape(-1, H, D))
+    return layer

@@ -220,20 +220,6 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 
 # ------------------------------------------------------------------------------------------------ one shape
-def _quantized(kv_cache: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """The same pages in an 8-bit cache format (:mod:`relaygr_engine.quant`)."""
-    from relaygr_engine import quant
-    from relaygr_engine.config import KVDtype
-
-    kd = KVDtype(kv_dtype)
-    P, _, ps, H, D = kv_cache.shape
-    layer = torch.zeros(quant.layer_shape(kd, P, ps, H, D), dtype=torch.uint8, device=kv_cache.device)
-    ids = torch.arange(P * ps, device=kv_cache.device)
-    quant.store(layer, kd, ps, ids // ps, ids % ps, kv_cache[:, 0].reshape(-1, H, D),
-                kv_cache[:, 1].reshape(-1, H, D))
-    return layer
-
-
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model") -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
@@ -275,7 +261,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3, max_abs_err=err,
                gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense")
     if kv_dtype != "model":
-        qargs = dict(args, kv_cache=_quantized(args["kv_cache"], kv_dtype))
+        from relaygr_engine import quant
+        from relaygr_engine.config import KVDtype
+
+        qargs = dict(args, kv_cache=quant.quantize_pages(args["kv_cache"], KVDtype(kv_dtype)))
         out8 = prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype)
         t8 = _time(lambda: prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype),
                    device, warmup, iters)
