@@ -36,14 +36,13 @@ from ..config import AttentionMode, KVDtype, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from ._prefix_config import KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config, reset_autotuning
-from ._prefix_kernel import BATCH_ARGS, prefix_attention_kernel
+from ._prefix_kernel import prefix_attention_kernel
 from ._split import merge_splits, pick_splits
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config", "reset_autotuning"]
 
 _prefix_attention_kernel = prefix_attention_kernel  # the name tests and ``relaygr bench ptxas`` compile
-_BATCH_ARGS = BATCH_ARGS
 
 
 # ------------------------------------------------------------------------------------------------------ launcher
@@ -62,13 +61,10 @@ def _dot_precision(dtype: torch.dtype, allow_tf32: bool):
     return "tf32" if allow_tf32 else "ieee"
 
 
-def _ts_search(num_buckets: int) -> tuple[int, int]:
-    """(TS_BITS, TS_STEPS) for ``bucket = min(bit_length(d), num_buckets - 1)`` of int64 deltas."""
-    bits = min(num_buckets - 1, 63)
-    steps = 0
-    while (1 << steps) < bits:
-        steps += 1
-    return bits, steps
+def _ts_bits(num_buckets: int) -> int:
+    """TS_BITS for ``bucket = min(bit_length(d), num_buckets - 1)`` of int64 deltas (the log2 buckets need no
+    search steps: the kernel reads the bit length off a float's exponent)."""
+    return min(num_buckets - 1, 63)
 
 
 @dataclass(frozen=True)
@@ -318,11 +314,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=device)
         ml = ws if hstu else torch.empty((num_splits, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
-    ts_bits, ts_steps = _ts_search(ts_bias.numel()) if has_ts else (1, 0)
+    ts_bits = _ts_bits(ts_bias.numel()) if has_ts else 1
     ts_table = has_ts and ts_fn is not TimeBucket.LOG2
     ts_bounds = time_bucket_bounds(ts_fn, ts_bias.numel(), device) if ts_table else None
-    if ts_table:
-        ts_steps = ts_bounds.numel().bit_length()
+    ts_steps = ts_bounds.numel().bit_length() if ts_table else 0  # the table search's steps
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
     pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache

@@ -140,11 +140,11 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
 
     hstu = mode == "hstu"
     biased = hstu and bias
-    ts_bits, ts_steps = pa._ts_search(32) if biased else (1, 0)
+    ts_bits = pa._ts_bits(32) if biased else 1
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                       BLOCK_M=block_m, BLOCK_N=block_n, CAND_TILES=cand_tiles, HSTU=hstu, HAS_POS=biased,
                       HAS_TS=biased, TS_BITS=ts_bits,
-                      TS_STEPS=ts_steps, TS_TABLE=False, TS_ABS=False,
+                      TS_STEPS=0, TS_TABLE=False, TS_ABS=False,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
                       KV8=KVDtype(kv_dtype).quantized)
     types = attention_types("*" + dtype)
