@@ -6,9 +6,7 @@ Compiling is slow on a CPU: one compiled model per kind (module scope), small sh
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
-import pathlib
 
 import pytest
 import torch
@@ -16,17 +14,9 @@ from torch._dynamo.utils import counters
 
 import relaygr_engine as rg
 from relaygr_engine.testing import check_relay_exact, no_cache_scores
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+from example_modules import load_example
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"compile_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _gr_history(n: int, seed: int) -> rg.Behaviors:
@@ -44,9 +34,9 @@ def _kind(name: str):
                                num_items=500, num_actions=4, max_seq_len=128, num_tasks=2, num_time_buckets=16)
         return rg.build_ranker(cfg, seed=0), _gr_history, 500
     if name == "hstu_example":
-        m = _example("hstu_ranker")
+        m = load_example("hstu_ranker")
         return m.MyHSTURanker(layers=2).eval(), m.synthetic_history, 2000
-    m = _example("softmax_ranker")
+    m = load_example("softmax_ranker")
     return m.MySoftmaxRanker().eval(), m.synthetic_history, 3000
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
@@ -13,37 +12,29 @@ if not torch.cuda.is_available():  # Triton reads this when it first decorates k
 
 import relaygr_engine as rg  # noqa: E402
 from relaygr_engine.testing import RelayMismatch, check_relay_exact  # noqa: E402
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+from example_modules import load_example  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def hstu():
-    return load("hstu_ranker")
+    return load_example("hstu_ranker")
 
 
 @pytest.fixture(scope="module")
 def softmax():
-    return load("softmax_ranker")
+    return load_example("softmax_ranker")
 
 
 def test_examples_run_end_to_end(hstu, softmax):
-    for module in (hstu, softmax, load("stu_checkpoint")):
+    for module in (hstu, softmax, load_example("stu_checkpoint")):
         out = module.main()
         assert out["max_abs_diff"] <= 1e-4 and set(out["sources"]) == {"hbm"}
 
 
 def test_stu_checkpoint_example_loads_every_layer_tensor_and_stays_exact():
-    module = load("stu_checkpoint")
+    module = load_example("stu_checkpoint")
     sd = module.stu_checkpoint(seed=3)
     model = module.build_from_stu(sd)
     for name, value in sd.items():  # each STU tensor landed in the ranker (transposed where STU stores x W)
@@ -67,7 +58,7 @@ def _cases(module, lengths, seed=0):
 
 @pytest.mark.parametrize("name", ["hstu_ranker", "softmax_ranker"])
 def test_examples_exact_on_every_engine_path(name):
-    module = load(name)
+    module = load_example(name)
     model = (module.MyHSTURanker if name == "hstu_ranker" else module.MySoftmaxRanker)().eval()
     hists, cands = _cases(module, (23, 40, 9))
     report = check_relay_exact(model, hists, cands)
@@ -83,7 +74,7 @@ def test_examples_exact_with_the_triton_backend(name):
     from relaygr_engine.kernels import _common
     if not _common.interpreter_active():
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
-    module = load(name)
+    module = load_example(name)
     small = dict(layers=2, dim=32) if name == "hstu_ranker" else dict(layers=2, dim=32, heads=2)
     model = (module.MyHSTURanker if name == "hstu_ranker" else module.MySoftmaxRanker)(**small).eval()
     hists, cands = _cases(module, (13, 20))
