@@ -143,3 +143,22 @@ def test_kept_bias_table_follows_in_place_edits():
     again = engine.rank_with_prefix(1, hist, c).scores
     assert not torch.allclose(first, again)
     torch.testing.assert_close(again, model.rank_full(hist, c), atol=1e-4, rtol=0)
+
+
+def test_split_hit_time_times_the_parts_of_real_hits_and_takes_its_proxies_out():
+    """``bench overhead``'s split of a hit (the model's own ops, the attention op, the engine's host work) is timed
+    on the engine's own calls, each a hit, and the proxies are taken out after."""
+    from relaygr_engine.bench.common import synthetic_history
+    from relaygr_engine.bench.overhead import _cached, _engine, _model, split_hit_time
+    from relaygr_engine import layer, relay_op
+    from relaygr_engine.engine import RankRequest
+    engine = _engine(_model(2, "cpu"), "cpu")
+    caller, op = engine.runner.model, relay_op.relay_attention
+    hist = synthetic_history(16, 10_000, 0)
+    _cached(engine, range(4), hist)
+    hits = engine.stats()["hbm_hits"]
+    split = split_hit_time(engine, [RankRequest(u, hist, torch.arange(2)) for u in range(4)], torch.device("cpu"), 3)
+    assert engine.runner.model is caller and relay_op.relay_attention is op and layer.relay_attention is op
+    assert engine.stats()["hbm_hits"] - hits == 4 * (3 + 1)  # the untimed call, then 3 timed ones
+    assert all(split[part] > 0 for part in ("model", "attention", "engine"))
+    assert split["model"] + split["attention"] < split["total"]

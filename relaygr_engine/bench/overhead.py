@@ -11,6 +11,12 @@ hit (all but the last 4 tokens cached) and no cache (``rank_uncached``).
 
 Model: HSTU, hidden 64, 2 heads x 32, fp32, CPU (``--device`` for another), torch backend.
 
+Where a hit's time goes (L=16, C=1, single and batch of 32; :func:`split_hit_time`): the model's own ops (its
+projections, norms, gates and heads), the engine's attention op in its layers, and the engine's host work around
+the forward (validation, prefix lookup and pins, the batch's row tables, page layout and plan, results), each the
+median over the same calls (``model_us_*``, ``attention_us_*``, ``engine_us_*``), timed by proxies (one Python call
+more per forward and per layer).
+
 With ``--compile`` the hit path is also timed on an engine that runs the whole model compiled
 (``RelayEngine(compile_model=True)``: ``torch.compile(fullgraph=True, dynamic=True)``, each attention layer one
 opaque op); the compile itself, on each configuration's first call, is not timed.
@@ -27,10 +33,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..cli_args import ArgumentParser
+from .. import layer as layer_module, relay_op
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
-from .common import emit_result, environment, median_time, synthetic_history
+from .common import emit_result, environment, median_time, percentile, synthetic_history
 from .serving import cpu_timer
 
 __all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
@@ -99,6 +106,77 @@ def _per_layer(device: str) -> dict[str, float]:
         per_layer = (b - a) / 6
         out[f"{path}_ops_per_layer"] = per_layer
         out[f"{path}_ops_per_request"] = a - 2 * per_layer
+    return out
+
+
+class _Timed:
+    """Calls ``fn`` and adds the time of each call to ``seconds``."""
+
+    def __init__(self, fn: Callable, timer: Callable[[], float]) -> None:
+        self.fn, self.timer, self.seconds = fn, timer, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = self.timer()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += self.timer() - t0
+
+
+def split_hit_time(engine: RelayEngine, reqs: list, device: torch.device, repeats: int,
+                   timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median microseconds per request of ``engine.rank_with_prefix_batch(reqs)`` and of its parts, over the same
+    ``repeats`` calls (after one untimed call).
+
+    Returns ``total``; ``model``: the model's own work in its forward (layers, norms, heads: the forward less the
+    attention op); ``attention``: the engine's attention op in every layer (``relay_attention``: page reads and
+    writes, the attention itself); ``engine``: the engine's host work around the forward (validation, lookup, pins,
+    the batch's tables and plan, results). Each is the median of its own samples, so the parts need not add up to
+    ``total`` exactly. The parts are timed by proxies around the engine's model caller and the op's implementation.
+    """
+    runner = engine.runner
+    forward = runner.model = _Timed(runner.model, timer)
+    attention = _Timed(relay_op.relay_attention, timer)
+    homes = (relay_op, layer_module)  # the op's implementation, and the eager layers' direct call of it
+    for home in homes:
+        home.relay_attention = attention
+    samples: dict[str, list] = {"total": [], "model": [], "attention": [], "engine": []}
+    try:
+        engine.rank_with_prefix_batch(reqs)
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            forward.seconds, attention.seconds, t0 = 0.0, 0.0, timer()
+            engine.rank_with_prefix_batch(reqs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            total = timer() - t0
+            for key, value in (("total", total), ("model", forward.seconds - attention.seconds),
+                               ("attention", attention.seconds), ("engine", total - forward.seconds)):
+                samples[key].append(value)
+    finally:
+        runner.model = forward.fn
+        for home in homes:
+            home.relay_attention = attention.fn
+    per = 1e6 / len(reqs)
+    return {key: float(percentile(values, 50)) * per for key, values in samples.items()}
+
+
+def _split(engine: RelayEngine, device: torch.device, repeats: int, timer, batches: tuple,
+           tag: str = "") -> dict[str, float]:
+    """Print and return where a hit at L=16, C=1 goes (:func:`split_hit_time`) for each batch size; ``tag`` ends
+    the keys (``"_compiled"`` for the compiled engine)."""
+    hist, cand, out = synthetic_history(16, 10_000, 16, device), torch.arange(1, device=device), {}
+    _cached(engine, range(max(batches)), hist)
+    print(f"where a hit goes{tag.replace('_', ', ')} (L=16, C=1; us per request): total = the model's own ops + the "
+          "attention op + the engine's host work")
+    for B in batches:
+        split = split_hit_time(engine, [RankRequest(u, hist, cand) for u in range(B)], device, repeats, timer)
+        print(f"  batch {B:>2}: {split['total']:7.1f} = {split['model']:7.1f} + {split['attention']:7.1f} + "
+              f"{split['engine']:7.1f}")
+        suffix = "call" if B == 1 else f"request_b{B}"
+        for part in ("model", "attention", "engine"):
+            out[f"{part}_us_per_{suffix}{tag}"] = round(split[part], 1)
     return out
 
 
@@ -174,6 +252,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["us_per_call_compiled"] = round(by[(16, 1, 1)]["hit_compiled_us_per_request"], 1)
         if (16, 1, 32) in by:
             result["us_per_request_b32_compiled"] = round(by[(16, 1, 32)]["hit_compiled_us_per_request"], 1)
+    batches = (1,) if args.quick else (1, 32)
+    result.update(_split(engine, device, repeats, timer, batches))
+    if compiled is not None:
+        result.update(_split(compiled, device, repeats, timer, batches, "_compiled"))
     result.update(device=str(device), threads=args.threads, clock=clock.replace(" ", "_"))
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, op_counts=ops))
     return 0
