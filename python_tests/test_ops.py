@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import relaygr_engine.ops as ops
+import relaygr_engine.reference_attention as reference_attention
 from relaygr_engine.ops import paged_prefix_attention, time_buckets
 
 PAGE = 4
@@ -126,7 +126,7 @@ def test_op_matches_naive_loop(name, mode, bias):
 @pytest.mark.parametrize("mode", ["softmax", "hstu"])
 def test_small_blocks_and_per_row_request_times(monkeypatch, mode):
     """Row blocking (forced tiny) and candidates with different timestamps give the same result."""
-    monkeypatch.setattr(ops, "_MAX_BLOCK_ELEMS", 7)
+    monkeypatch.setattr(reference_attention, "_MAX_BLOCK_ELEMS", 7)
     args = make_batch(SEGMENTS["varlen_batch"], seed=3, same_request_time=False)
     pos, ts = biases("pos+ts")
     kw = dict(mode=mode, scale=0.5)
@@ -174,9 +174,9 @@ def test_sorted_histories_take_the_run_length_time_bias(monkeypatch, gap_bits, n
     def no_buckets(*a, **k):
         raise AssertionError("per-element time buckets on a sorted history")
 
-    monkeypatch.setattr(ops, "time_buckets", no_buckets)
+    monkeypatch.setattr(reference_attention, "time_buckets", no_buckets)
     torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), want, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(ops, "_HISTORY_BLOCK_ROWS", 2)  # several causal blocks per user
+    monkeypatch.setattr(reference_attention, "_HISTORY_BLOCK_ROWS", 2)  # several causal blocks per user
     torch.testing.assert_close(paged_prefix_attention(**args, **kw).double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -345,5 +345,5 @@ def test_float_time_buckets_take_the_run_length_bias_when_it_is_exact(monkeypatc
     if request_offset > 0 or time_bucket == "sqrt_60":
         def no_buckets(*a, **k):
             raise AssertionError("per-element time buckets on a sorted history")
-        monkeypatch.setattr(ops, "time_buckets", no_buckets)
+        monkeypatch.setattr(reference_attention, "time_buckets", no_buckets)
     torch.testing.assert_close(paged_prefix_attention(**args, **kw), want, atol=1e-5, rtol=1e-5)

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TimeBucket, _positive_int, parse_choice
+from .config import AttentionMode, TimeBucket, _positive_int, parse_choice
 from .context import ForwardContext, current_context
 from .kernels._common import check_scalar
-from .ops import AttentionMode, time_buckets
 from .relay_op import relay_attention
+from .time_bucketing import time_buckets
 
 __all__ = ["PrefixAttention"]
 

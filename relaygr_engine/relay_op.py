@@ -20,7 +20,8 @@ from . import quant
 from .config import AttentionBackend
 from .context import current_context
 from .onload import wait_layer
-from .ops import _check_args, _dispatch
+from .attention_checks import _check_args
+from .ops import _dispatch
 from .torch_plan import planned_attention
 
 __all__ = ["relay_attention"]

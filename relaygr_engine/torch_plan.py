@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import quant
 from ._host import ship, to_device
 from .config import AttentionMode, KVDtype, TimeBucket
-from .ops import time_buckets
+from .time_bucketing import time_buckets
 
 __all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "compiled_core",
            "planned_attention"]

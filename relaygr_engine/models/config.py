@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..config import TimeBucket, check_int, parse_choice
+from ..config import AttentionMode, TimeBucket, check_int, parse_choice
 from ..kernels._common import check_scalar
-from ..ops import AttentionMode, check_time_buckets
+from ..time_bucketing import check_time_buckets
 
 __all__ = ["GRModelConfig", "HSTUActivation", "HSTUOutput", "HSTUOutputNorm"]
 
