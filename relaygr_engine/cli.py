@@ -30,8 +30,8 @@ _COMMANDS = {
 
 def _benchmarks() -> list[str]:
     import relaygr_engine.bench as bench
-    skip = {"workload", "report", "serving", "demo", "calibrate", "common", "slo_output", "slo_run", "slo_workers",
-            "seeds"}
+    skip = {"workload", "workload_logs", "workload_profiles", "workload_requests", "report", "serving", "demo",
+            "calibrate", "common", "slo_output", "slo_run", "slo_workers", "seeds"}
     return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in skip)
 
 

@@ -40,7 +40,7 @@ from . import slo_setup, slo_workers
 from .serving import BaselineImpl, Mode
 from .slo_output import METHOD, Console, _wants_progress, print_paths, print_table  # noqa: F401 (re-exported)
 from .slo_run import _cpu_timer_ok, load_log, run
-from .workload import InteractionLog
+from .workload_logs import InteractionLog
 
 __all__ = ["build_parser", "apply_settings", "check_args", "load_checked_log", "run", "main", "METHOD"]
 

@@ -21,8 +21,10 @@ from .common import exceed_count
 from .serving import BaselineImpl, cpu_timer, simulate
 from .slo_output import (METHOD, Console, _fmt_load, _headline, _notes, _prefill_line, _ratio, _verdict,
                          _wants_progress)
-from .workload import (InteractionLog, Workload, WorkloadConfig, build_workload, load_profile, read_interactions,
-                       synthesize_interactions)
+from .workload import build_workload
+from .workload_logs import InteractionLog, read_interactions
+from .workload_profiles import load_profile, synthesize_interactions
+from .workload_requests import Workload, WorkloadConfig
 
 _MAX_REQUESTS_FACTOR = 4  # the measured stream holds this many times --requests (for --min-duration-s)
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..workload import Workload
+from ..workload_requests import Workload
 from .batching import BatchPolicy
 from .services import Service
 from .workers import Role, Worker, place

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..workload import Request
+from ..workload_requests import Request
 from .relay import RelayService
 from .services import PrefillOutcome
 from .workers import Role, Worker

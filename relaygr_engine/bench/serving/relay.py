@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..workload import Request
+from ..workload_requests import Request
 from .services import PrefillOutcome, RankOutcome, _sync, _Tensors
 
 __all__ = ["TriggerHook", "RelayService"]

@@ -14,7 +14,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from ..workload import Request
+from ..workload_requests import Request
 
 __all__ = ["Mode", "BaselineImpl", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "to_behaviors",
            "cpu_timer"]

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ...policy.affinity import rank_replicas
-from ..workload import Request
+from ..workload_requests import Request
 from .services import Service
 
 __all__ = ["Role", "Worker", "place"]
