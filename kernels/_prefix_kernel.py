@@ -37,18 +37,27 @@ BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
 def _log2_bucket(dt, TS_BITS: tl.constexpr):
     """``min(bit_length(max(dt, 0)), TS_BITS)`` of int64 ``dt``, from the exponent of ``d`` as a float.
 
-    ``d = clamp(dt, 0, 2**TS_BITS - 1)`` converts to fp32 (fp64 above 31 bits) rounding to nearest, so its biased
-    exponent minus the bias is ``bit_length(d)``, one too many when ``d`` rounded up to a power of two; a compare
-    (``d >> (e - 1) == 0``) takes that one back. ``d = 0`` has exponent field 0 and maps to 0.
+    ``d = clamp(dt, 0, 2**TS_BITS - 1)`` converts to a float whose biased exponent minus the bias is
+    ``bit_length(d)`` when the conversion is exact: fp32 up to 24 bits, fp64 up to 53 (``d = 0`` has exponent field 0
+    and maps to 0). Up to 31 bits the clamp works on the two 32-bit words of ``dt``.
+    Above 53 bits the conversion can round up to a power of two, one too many, which a compare
+    (``d >> (e - 1) == 0``) takes back.
     """
-    d = tl.minimum(tl.maximum(dt, 0), (1 << TS_BITS) - 1)
     if TS_BITS <= 31:
-        d = d.to(tl.int32)
-        e = (d.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+        hi = (dt >> 32).to(tl.int32)  # the high word: 0 <= dt < 2**31 when it is 0 and the low word is >= 0
+        lo = dt.to(tl.int32)
+        d = tl.where(hi < 0, 0, tl.where((hi > 0) | (lo < 0), (1 << 31) - 1, lo))
+        if TS_BITS < 31:
+            d = tl.minimum(d, (1 << TS_BITS) - 1)
     else:
-        e = (d.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
-    e = tl.maximum(e, 0)
-    return tl.where((e > 0) & ((d >> tl.maximum(e - 1, 0)) == 0), e - 1, e)
+        d = tl.minimum(tl.maximum(dt, 0), (1 << TS_BITS) - 1)
+    if TS_BITS <= 24:
+        e = tl.maximum((d.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
+    else:
+        e = tl.maximum((d.to(tl.float64).to(tl.int64, bitcast=True) >> 52).to(tl.int32) - 1022, 0)
+    if TS_BITS > 53:
+        e = tl.where((e > 0) & ((d >> tl.maximum(e - 1, 0)) == 0), e - 1, e)
+    return e
 
 
 @triton.jit
@@ -74,15 +83,16 @@ def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
     """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
     given: a ``[BLOCK_N]`` vector for a candidate tile (scalar query), ``[BLOCK_M, BLOCK_N]`` for a history tile.
     Every index is clamped into its table, so no load needs a mask."""
-    b = 0.0
-    if HAS_POS:
-        b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
     if HAS_TS:
         if TS_TABLE:
             bucket = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
         else:
             bucket = _log2_bucket(t_q - t_k, TS_BITS)
-        b += tl.load(ts_bias_ptr + bucket)
+        b = tl.load(ts_bias_ptr + bucket)
+        if HAS_POS:  # (started from the first term: 0.0 + x is an add the compiler must keep, for x = -0.0)
+            b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
+    else:
+        b = tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
     return b
 
 

@@ -193,11 +193,13 @@ def test_prefix_attention_hstu_bias_subsets(which):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("num_buckets", [1, 2, 9, 40, 64])
+@pytest.mark.parametrize("num_buckets", [1, 2, 9, 26, 32, 40, 64])
 def test_prefix_attention_time_buckets(num_buckets):
-    """Deltas at every power-of-two edge, negative and beyond 2**31: the int32 and int64 bucket searches."""
+    """Deltas at every power-of-two edge, negative and beyond 2**31 (either 32-bit word alone misleads, fp64 rounds
+    above 2**53): the 32-bit, fp32, fp64 and corrected bucket paths."""
     args, bias = make_problem([(64, 2, 6)], 16, 1, 16, seed=3, num_buckets=num_buckets)
-    edges = [0, 1, 2, 3, 4, 7, 8, 1023, 1024, (1 << 31) - 1, 1 << 31, (1 << 40) + 5, (1 << 61) + 1, -1, -(1 << 33)]
+    edges = [0, 1, 2, 3, 4, 7, 8, 1023, 1024, (1 << 31) - 1, 1 << 31, (1 << 32) + 1, (1 << 32) + (1 << 31),
+             (1 << 40) + 5, (1 << 53) + 1, (1 << 54) - 1, (1 << 61) + 1, (1 << 62) + 3, -1, -(1 << 33)]
     t_req = 1 << 62
     ts_k = torch.tensor([t_req - edges[i % len(edges)] for i in range(64)], dtype=torch.int64)
     pages = args["kv_indices"].long()
