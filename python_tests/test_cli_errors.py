@@ -105,6 +105,17 @@ def test_a_usage_error_from_the_console_script_has_no_traceback():
         "relaygr bench slo: error: argument --slo-ms: expected a number > 0, got -5 (see relaygr bench slo --help)"]
 
 
+def test_every_listed_benchmark_has_a_command_line():
+    """``relaygr bench --help`` lists only modules it can run (helper modules such as ``sass`` or ``slo_setup``
+    have no ``main`` and are not benchmarks)."""
+    import importlib
+    names = cli._benchmarks()
+    assert {"kernels", "overhead", "ptxas", "rank", "slo", "tiers"} <= set(names)
+    assert not {"sass", "slo_setup", "slo_run", "common", "report", "workload", "demo"} & set(names)
+    for name in names:
+        assert callable(importlib.import_module(f"relaygr_engine.bench.{name}").main), name
+
+
 def test_help_texts(capsys):
     assert cli.main(["--help"]) == 0
     text = capsys.readouterr().out

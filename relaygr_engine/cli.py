@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional
 
 HELP = """\
@@ -29,10 +31,14 @@ _COMMANDS = {
 
 
 def _benchmarks() -> list[str]:
+    """The ``relaygr bench`` names: the modules of :mod:`relaygr_engine.bench` with a command line (a top-level
+    ``def main(``), less those with a command word of their own or that are a tool rather than a benchmark."""
     import relaygr_engine.bench as bench
-    skip = {"workload", "workload_logs", "workload_profiles", "workload_requests", "report", "serving", "demo",
-            "calibrate", "common", "slo_output", "slo_run", "slo_workers", "seeds"}
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in skip)
+    own = {"demo", "calibrate", "workload"}  # relaygr demo / calibrate; the workload module's fit/describe tool
+    folder = Path(bench.__path__[0])
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
+                  if not m.ispkg and m.name not in own
+                  and re.search(r"^def main\(", (folder / f"{m.name}.py").read_text(), re.M))
 
 
 def info() -> int:
