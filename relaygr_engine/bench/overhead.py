@@ -38,7 +38,7 @@ from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
 from .common import emit_result, environment, median_time, percentile, synthetic_history
-from .serving import cpu_timer
+from .serving import service_clock
 
 __all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
 
@@ -206,8 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     lengths, cands = ((16,), (1,)) if args.quick else ((16, 256), (1, 64))
     env = environment(str(device))
     # One CPU thread: the thread's CPU time, which other processes on a shared machine barely move; else wall time.
-    timer, clock = (cpu_timer, "thread CPU time") if device.type == "cpu" and args.threads == 1 else \
-        (time.perf_counter, "wall time")
+    timer, clock = service_clock(device, args.threads)
 
     ops = _per_layer(str(device))
     print(f"relaygr bench overhead: HSTU, hidden 64, 2 heads x 32, fp32, {env['device_name']}, {args.threads} "
@@ -256,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(_split(engine, device, repeats, timer, batches))
     if compiled is not None:
         result.update(_split(compiled, device, repeats, timer, batches, "_compiled"))
-    result.update(device=str(device), threads=args.threads, clock=clock.replace(" ", "_"))
+    result.update(device=str(device), threads=args.threads, clock=clock.split(" (")[0].replace(" ", "_"))
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, op_counts=ops))
     return 0
 

@@ -18,7 +18,7 @@ import numpy as np
 from . import report as rpt
 from . import slo_setup, slo_workers
 from .common import exceed_count
-from .serving import BaselineImpl, cpu_timer, simulate
+from .serving import BaselineImpl, cpu_timer_valid, service_clock, simulate
 from .slo_output import (METHOD, Console, _fmt_load, _headline, _notes, _prefill_line, _ratio, _verdict,
                          _wants_progress)
 from .workload import build_workload
@@ -73,16 +73,13 @@ def calibrate_latency(model, num_candidates: int, max_len: int, device: str, rep
 
 def _cpu_timer_ok(args) -> bool:
     """Whether the thread's CPU time is a job's service time: the compute runs on this thread."""
-    return str(args.device).startswith("cpu") and args.threads == 1
+    return cpu_timer_valid(args.device, args.threads)
 
 
 def _timer(args):
     """The service-time clock ``--timer`` names (``auto``: thread CPU time on one CPU thread, else wall)."""
-    cpu_ok = _cpu_timer_ok(args)
-    assert args.timer != "cpu" or cpu_ok, "check_args refuses --timer cpu here"
-    if args.timer == "cpu" or (args.timer == "auto" and cpu_ok):
-        return cpu_timer, "thread CPU time"
-    return time.perf_counter, "wall time (perf_counter)"
+    assert args.timer != "cpu" or _cpu_timer_ok(args), "check_args refuses --timer cpu here"
+    return service_clock(args.device, args.threads, args.timer)
 
 
 class _Bench:

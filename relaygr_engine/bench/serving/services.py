@@ -17,7 +17,7 @@ import numpy as np
 from ..workload_requests import Request
 
 __all__ = ["Mode", "BaselineImpl", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "to_behaviors",
-           "cpu_timer"]
+           "cpu_timer", "cpu_timer_valid", "service_clock"]
 
 
 class Mode(str, enum.Enum):
@@ -193,6 +193,21 @@ def cpu_timer() -> float:
     thread); accelerator work or extra threads are not counted, use ``time.perf_counter`` there.
     """
     return time.thread_time()
+
+
+def cpu_timer_valid(device, threads: int) -> bool:
+    """Whether :func:`cpu_timer` measures a job's service time: the compute runs on the calling thread (a CPU
+    ``device``, one intra-op thread)."""
+    return str(device).startswith("cpu") and threads == 1
+
+
+def service_clock(device, threads: int, choice: str = "auto"):
+    """The service-time clock and its name: ``choice`` ``"cpu"`` (:func:`cpu_timer`; the caller has checked
+    :func:`cpu_timer_valid`), ``"wall"`` (``time.perf_counter``) or ``"auto"`` (thread CPU time where it is valid,
+    else wall time)."""
+    if choice == "cpu" or (choice == "auto" and cpu_timer_valid(device, threads)):
+        return cpu_timer, "thread CPU time"
+    return time.perf_counter, "wall time (perf_counter)"
 
 
 def _sync(t) -> None:
