@@ -194,8 +194,6 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
     except ImportError:
         return None, "not installed"
     try:
-        from relaygr_engine.kernels.reference import visible_mask_ref
-
         b, p, n, c, ps = shape.users, shape.prefix, shape.new, shape.cands, shape.page_size
         rows, device = n + c, args["q"].device
         total_tok = p + rows
