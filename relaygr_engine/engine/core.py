@@ -10,12 +10,12 @@ from torch import nn
 
 from ..batch import check_request
 from ..behaviors import Behaviors
-from ..config import AttentionBackend, CacheConfig, GraphConfig
+from ..config import CacheConfig, GraphConfig
 from ..context import find_layers
 from ..identity import WeightsIdentity
-from ..ops import _resolve_backend
 from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
+from .build_checks import cache_shape, check_prefix_stable, graph_config, model_device, same_device
 from .compiled import eager_module
 from .forward import ForwardRunner
 from .index import PrefixIndex
@@ -26,40 +26,6 @@ from .tiers import CacheState
 from .transfer import PackedPrefix, check_packed, pack_entry, store_packed
 
 __all__ = ["RelayEngine"]
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _model_device(model: nn.Module) -> Optional[torch.device]:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return None
-
-
-def _cache_shape(layers) -> tuple[int, int]:
-    """``(num_heads, cache_dim)`` shared by every layer (one paged cache shape for all layers)."""
-    H, D = layers[0].num_heads, layers[0].cache_dim
-    for i, m in enumerate(layers):
-        if (m.num_heads, m.cache_dim) != (H, D):
-            raise ValueError(f"every PrefixAttention layer must cache {H} heads x {D} (layer 0's), got layer {i} "
-                             f"with {m.num_heads} heads x {m.cache_dim}")
-    return H, D
-
-
-def _check_prefix_stable(model: nn.Module, layers) -> None:
-    """ValueError unless every layer is prefix-stable and the model declares no ``prefix_unstable_features``."""
-    names = {id(m): n for n, m in model.named_modules()}
-    found = [f"{names.get(id(m), '?')}: hstu_norm='batch' (a per-batch normaliser)" for m in layers
-             if not getattr(m, "prefix_stable", True)]
-    found += [str(f) for f in getattr(model, "prefix_unstable_features", ())]
-    if found:
-        raise ValueError("model must be prefix-stable (a cached row's output may not depend on rows computed after "
-                         f"it) to be served over cached prefixes; {type(model).__name__} has: {'; '.join(found)}. "
-                         "Serve it without a RelayEngine, or replace these features (see docs/hstu_variants.md)")
 
 
 class RelayEngine:
@@ -119,8 +85,8 @@ class RelayEngine:
         cache_config = CacheConfig() if cache_config is None else cache_config
         if not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
-        dev = _model_device(model)
-        if dev is not None and not _same_device(dev, torch.device(cache_config.device)):
+        dev = model_device(model)
+        if dev is not None and not same_device(dev, torch.device(cache_config.device)):
             raise ValueError(f"model must be on the cache device {cache_config.device}, got {dev}")
         if trigger is not None and not all(callable(getattr(trigger, m, None)) for m in ("decide", "on_prefill_done")):
             raise ValueError(f"trigger must be None or have decide(...) and on_prefill_done(...) methods, got "
@@ -129,11 +95,11 @@ class RelayEngine:
             raise ValueError(f"compile_attention must be a bool, got {compile_attention!r}")
         if not isinstance(compile_model, bool):
             raise ValueError(f"compile_model must be a bool, got {compile_model!r}")
-        graphs = _graph_config(cuda_graphs, cache_config)
+        graphs = graph_config(cuda_graphs, cache_config)
         if model_version is not None and not (isinstance(model_version, str) and model_version):
             raise ValueError(f"model_version must be a non-empty string or None, got {model_version!r}")
-        _check_prefix_stable(eager_module(model), layers)
-        H, D = _cache_shape(layers)
+        check_prefix_stable(eager_module(model), layers)
+        H, D = cache_shape(layers)
         self.model = model
         self.layers = layers
         self.config = cache_config
@@ -447,18 +413,3 @@ class RelayEngine:
             if ticket.user_id != u:
                 raise ValueError(f"ticket is for user_id={ticket.user_id}, but the request is for user_id={u}")
         return Prepared(u, history, candidates, t_req, history.token_keys(), ticket)
-
-
-def _graph_config(cuda_graphs, cache_config: CacheConfig) -> Optional[GraphConfig]:
-    """The engine's ``cuda_graphs`` argument as a config (None: off); ValueError where graphs cannot run."""
-    if cuda_graphs is False or cuda_graphs is None:
-        return None
-    if cuda_graphs is True:
-        cuda_graphs = GraphConfig()
-    if not isinstance(cuda_graphs, GraphConfig):
-        raise ValueError(f"cuda_graphs must be a bool or a GraphConfig, got {type(cuda_graphs).__name__}")
-    dev = torch.device(cache_config.device)
-    if dev.type != "cuda" or _resolve_backend(cache_config.attention_backend, dev) is not AttentionBackend.TRITON:
-        raise ValueError(f"cuda_graphs needs a CUDA cache with the Triton attention backend, got device "
-                         f"{cache_config.device!r} with attention_backend={cache_config.attention_backend.value!r}")
-    return cuda_graphs
