@@ -6,7 +6,7 @@ cache (+ DRAM expander); ``relay_no_expander``) on the same request stream (:mod
 served by one worker on a virtual clock with the real engine's compute (:mod:`relaygr_engine.bench.serving`):
 
 1. **SLO-compliant throughput**: the highest QPS whose P99 ranking latency is within ``--slo-ms``
-   (a geometric sweep, then bisection: :func:`relaygr_engine.bench.report.slo_throughput`); every evaluated QPS is
+   (a geometric sweep, then bisection: :func:`relaygr_engine.bench.search.slo_throughput`); every evaluated QPS is
    a point of the latency-vs-QPS curve.
 2. **Reference QPS** (``--ref-qps``, default half the baseline's SLO-compliant throughput): P50/P99, cache-tier hit
    rates and trigger decisions of every mode.
