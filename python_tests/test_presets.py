@@ -113,14 +113,20 @@ def test_cuda_graphs_on_the_cpu_stay_a_usage_error(capsys):
 
 def test_a_cpu_dry_run_of_the_seeds_command_at_tiny_settings(tmp_path, capsys):
     """The GPU seeds run's flags, on the CPU with a one-layer version of the model and a tiny workload: every seed
-    runs and each report states the model, dtype, KV bytes per token and HBM budget."""
+    runs, each report states the model, dtype, KV bytes per token and HBM budget, and ``relaygr bench seeds``
+    summarises the runs again from their reports."""
     out = tmp_path / "seeds"
     argv = ["bench", "slo", "--model", "nvidia-hstu", "--seeds", "0,1", "--layers", "1", "--hidden", "32",
             "--heads", "1", "--head-dim", "32", "--dtype", "float32", "--quick", "--requests", "10",
             "--warmup-requests", "5", "--max-history", "128", "--max-len-hi", "256", "--len-step", "128",
             "--candidates", "4", "--repeats", "1", "--no-plots", "--no-progress", "--out", str(out)]
     assert cli.main(argv) == 0
-    assert "RESULT " in capsys.readouterr().out
+    result = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    assert len(result) == 1
+    # the same seeds summarised afterwards (as when each seed runs in its own call): the same RESULT line
+    (out / "summary.md").unlink()
+    assert cli.main(["bench", "seeds", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == result[0] and (out / "summary.md").exists()
     for seed in (0, 1):
         rep = json.loads((out / f"seed{seed}" / "report.json").read_text())
         m = rep["setup"]["model"]
@@ -139,7 +145,8 @@ def test_run_gpu_sh_runs_the_seeds_command_line(fake_h100):
     script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
     joined = script.replace("\\\n", " ")
     line = next(x for x in joined.splitlines() if x.startswith("step slo-seeds "))
-    argv = shlex.split(line.split("relaygr_engine.cli", 1)[1].replace('"${OUT_DIR}', '"out'))
+    argv = shlex.split(line.split("relaygr_engine.cli", 1)[1].replace('"${OUT_DIR}', '"out')
+                       .replace('"${SLO_SEEDS}"', "0,1,2"))
     assert argv[:len(GPU_SEEDS)] == GPU_SEEDS
     args = _settings(slo.build_parser(), argv[2:] + ["--no-plots"])
     assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile

@@ -40,3 +40,48 @@ def test_parse_seeds_names_the_option():
     for bad in ("", "a", "1,1", "-1"):
         with pytest.raises(ValueError, match="--seeds"):
             parse_seeds(bad)
+
+
+def _write_run(out, seed, settings, qps_relay, qps_base):
+    """One seed's run directory as ``bench slo --seeds`` writes it (the report fields a summary reads)."""
+    import json
+    rep = _report(qps_relay, qps_base, 2000, 1000)
+    rep.update(setup={"device": "cpu", "workers": {"K": 1}}, settings=dict(settings, seed=seed))
+    (out / f"seed{seed}").mkdir(parents=True)
+    (out / f"seed{seed}" / "report.json").write_text(json.dumps(rep))
+
+
+def test_bench_seeds_summarises_seeds_run_in_separate_calls(tmp_path, capsys):
+    """Seeds run one per call into the same directory are summarised afterwards like one --seeds run."""
+    from relaygr_engine import cli
+    settings = {"model": "nvidia-hstu", "max_history": 16384, "quick": True}
+    for seed, qps in ((0, 40), (1, 30), (2, 60)):
+        _write_run(tmp_path, seed, settings, qps, 10)
+    assert cli.main(["bench", "seeds", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "slo_throughput_ratio=4 " in line and "slo_throughput_ratio_min=3 " in line and line.endswith("seeds=3")
+    assert "over seeds 0, 1, 2" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("case", ["differ", "none", "bare"])
+def test_bench_seeds_refuses_runs_it_cannot_summarise(tmp_path, capsys, case):
+    """Runs with different settings (other than the seed), no runs, or runs that do not record their settings are
+    usage errors that name what is wrong; nothing is written."""
+    import json
+    from relaygr_engine import cli
+    if case != "none":
+        _write_run(tmp_path, 0, {"max_history": 16384}, 40, 10)
+        _write_run(tmp_path, 1, {"max_history": 8192}, 30, 10)
+    if case == "bare":
+        path = tmp_path / "seed1" / "report.json"
+        rep = json.loads(path.read_text())
+        del rep["settings"]
+        path.write_text(json.dumps(rep))
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["bench", "seeds", str(tmp_path)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("relaygr bench seeds: error: argument OUT:")
+    assert {"differ": "seed 1 differs from seed 0 in max_history", "none": "got none",
+            "bare": "seeds [1] do not record their settings"}[case] in err
+    assert not (tmp_path / "summary.md").exists()

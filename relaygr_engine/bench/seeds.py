@@ -6,6 +6,10 @@ co-located) are measured inside each run and then summarised across seeds: the m
 largest value. ``--out`` gets ``summary.md`` and ``summary.json``; the last line is ``RESULT
 slo_throughput_ratio=<median> slo_throughput_ratio_min=... slo_throughput_ratio_max=... max_len_ratio=... ...
 seeds=N``.
+
+The seeds of a long run may also go in separate calls into the same ``--out`` (``--seeds 0``, then ``--seeds 1``,
+...; each records its settings); ``relaygr bench seeds OUT`` then summarises them all, refusing runs whose settings
+differ other than in their seed.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Optional
 from . import report as rpt
 from .common import percentile
 
-__all__ = ["parse_seeds", "run_seeds", "summarize_seeds"]
+__all__ = ["parse_seeds", "read_seed_reports", "run_seeds", "summarize_seeds", "write_summary"]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -123,15 +127,23 @@ def run_seeds(args, run) -> dict:
         a.seed, a.out, a.json, a.seeds = s, os.path.join(args.out, f"seed{s}"), None, None
         print(f"=== seed {s} ===", flush=True)
         reports[s] = run(a)
+    return write_summary(args.out, reports)
+
+
+def write_summary(out: str, reports: dict) -> dict:
+    """Summarise ``reports`` (seed -> one run's report) into ``out``: ``summary.json``, ``summary.md`` (and the
+    crossover plot of disaggregated runs); returns the summary with its ``result_line``."""
+    seeds = sorted(reports)
+    reports = {s: reports[s] for s in seeds}
     summary = summarize_seeds(reports)
     setup = next(iter(reports.values()))["setup"]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"seeds": seeds, "summary": summary}, f, indent=1, default=str)
-    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(render(summary, seeds, setup))
     if summary.get("crossover"):
-        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(args.out, "crossover.png"))
+        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(out, "crossover.png"))
     flat = {}
     for k in ("slo_throughput_ratio", "max_len_ratio", "slo_qps_relay", "slo_qps_baseline", "max_len_relay",
               "max_len_baseline", "resident_prefixes", "hbm_hit_rate", "hbm_pages"):
@@ -141,6 +153,55 @@ def run_seeds(args, run) -> dict:
     flat["seeds"] = len(seeds)
     summary["result_line"] = rpt.result_line(flat)
     return summary
+
+
+def read_seed_reports(out: str) -> dict:
+    """The reports of the seed runs under ``out`` (``seed<N>/report.json``, as ``bench slo --seeds`` writes them,
+    possibly from several calls: one seed each), as seed -> report.
+
+    Raises
+    ------
+    ValueError
+        No seed report under ``out``; a report without its run's settings (written before they were recorded); or
+        runs whose settings differ other than in their seed (the keys that differ are named).
+    """
+    found = {}
+    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        path = os.path.join(out, name, "report.json")
+        if name.startswith("seed") and name[4:].isdigit() and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                found[int(name[4:])] = json.load(f)
+    if not found:
+        raise ValueError(f"out must hold seed runs (seed<N>/report.json, from bench slo --seeds), got none in {out!r}")
+    bare = [s for s, r in found.items() if "settings" not in r]
+    if bare:
+        raise ValueError(f"the runs of seeds {bare} do not record their settings (written by an older version): "
+                         "run them again")
+    first, want = next(iter(found.items()))
+    for s, r in found.items():
+        differ = sorted(k for k in set(want["settings"]) | set(r["settings"])
+                        if k != "seed" and want["settings"].get(k) != r["settings"].get(k))
+        if differ:
+            raise ValueError(f"seed runs must share their settings, but seed {s} differs from seed {first} in "
+                             f"{', '.join(differ)}")
+    return found
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``relaygr bench seeds OUT``: summarise the seed runs under OUT, run in one call or several."""
+    from ..cli_args import ArgumentParser
+    ap = ArgumentParser(prog="relaygr bench seeds",
+                        description="Summarise the seed runs of bench slo under OUT (seed<N>/report.json; run in one "
+                                    "call with --seeds 0,1,2, or seed by seed into the same OUT), as bench slo "
+                                    "--seeds does at its end: OUT/summary.md, summary.json, the RESULT line.")
+    ap.add_argument("out", metavar="OUT", help="the --out directory of the seed runs")
+    args = ap.parse_args(argv)
+    try:
+        reports = read_seed_reports(args.out)
+    except ValueError as e:
+        ap.error(f"argument OUT: {e}")
+    print_summary(write_summary(args.out, reports), args.out)
+    return 0
 
 
 def print_summary(summary: dict, out: Optional[str]) -> None:

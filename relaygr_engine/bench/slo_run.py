@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import os
 import time
@@ -316,6 +317,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
         "setup": dict(_setup(args, model, source, main_wl, ref_qps, lat),
                       load_average=f"{_fmt_load(load_start)} at start, {_fmt_load(_loadavg())} at end "
                                    f"(1-minute; {os.cpu_count()} CPUs)"),
+        "settings": _settings(args),
         "method": METHOD, "modes": results, "result": result, "result_line": line,
         "notes": _notes(args, results, relay_mode),
         "elapsed_s": time.perf_counter() - t_start,
@@ -330,6 +332,17 @@ def run(args, log: InteractionLog, source: str) -> dict:
         report["paths"]["crossover_plot"] = os.path.join(args.out, "crossover.png")
         slo_workers.plot_crossover(cx, report["paths"]["crossover_plot"])
     return report
+
+
+# Options that name where a run writes or how it shows progress, not what it measures.
+_OUTPUT_OPTIONS = ("seeds", "out", "json", "no_plots", "no_progress")
+
+
+def _settings(args) -> dict:
+    """Every option of the run as resolved (defaults filled), but its output ones: two runs with equal settings
+    measured the same thing (seeds of one summary may differ in ``seed`` only)."""
+    kept = {k: v for k, v in sorted(vars(args).items()) if k not in _OUTPUT_OPTIONS}
+    return json.loads(json.dumps(kept, default=str))
 
 
 def _setup(args, model, source, wl, ref_qps, lat) -> dict:
