@@ -148,3 +148,16 @@ def test_disaggregated_workers_on_real_engines_rank_from_shipped_prefixes():
     assert res.engine_stats["exports"] == len(w) and res.engine_stats["prefills"] > 0
     with pytest.raises(ValueError, match="chunk_tokens must be 0"):
         PreInferService(relay(chunk=8))
+
+
+def test_merged_worker_stats_sum_counts_and_keep_setup_values():
+    """Several workers' engine stats are merged for the report: counts add up, the cache's bits per value are the
+    workers' common value (never a sum), None where workers differ."""
+    from types import SimpleNamespace
+
+    from relaygr_engine.bench.serving.clock import _merged_stats
+    worker = (lambda **stats: SimpleNamespace(service=SimpleNamespace(stats=lambda: stats)))
+    merged = _merged_stats([worker(hbm_hits=3, kv_bits=16, pool_num_pages=100),
+                            worker(hbm_hits=4, kv_bits=16, pool_num_pages=100)])
+    assert merged == {"hbm_hits": 7, "kv_bits": 16, "pool_num_pages": 200}
+    assert _merged_stats([worker(kv_bits=8), worker(kv_bits=16), worker(kv_bits=16)])["kv_bits"] is None

@@ -258,14 +258,22 @@ def as_workers(service: Union[Service, Sequence[Worker]]) -> list[Worker]:
     return [Worker(service, Role.BOTH)]
 
 
+# Stats that describe a worker's setup rather than count its work: merged as the workers' common value (None where
+# they differ), never summed.
+_SETUP_STATS = ("kv_bits",)
+
+
 def _merged_stats(workers: list[Worker]) -> dict:
-    """The workers' service stats, numbers summed (one worker: its stats as they are)."""
+    """The workers' service stats, counts summed and setup values (:data:`_SETUP_STATS`) kept (one worker: its stats
+    as they are)."""
     if len(workers) == 1:
         return workers[0].service.stats()
     out: dict = {}
     for w in workers:
         for k, v in w.service.stats().items():
-            if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
+            if k in _SETUP_STATS:
+                out[k] = v if out.get(k, v) == v else None
+            elif isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
                 out[k] = out.get(k, 0) + v
     return out
 
