@@ -32,15 +32,15 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..cli_args import ArgumentParser
 from .. import layer as layer_module, relay_op
+from ..cli_args import ArgumentParser
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
 from .common import emit_result, environment, median_time, percentile, synthetic_history
 from .serving import service_clock
 
-__all__ = ["OpCounter", "count_ops", "hit_path_ops", "main"]
+__all__ = ["OpCounter", "count_ops", "hit_path_ops", "main", "split_hit_time"]
 
 NEW_TOKENS = 4
 
