@@ -162,3 +162,15 @@ def test_split_hit_time_times_the_parts_of_real_hits_and_takes_its_proxies_out()
     assert engine.stats()["hbm_hits"] - hits == 4 * (3 + 1)  # the untimed call, then 3 timed ones
     assert all(split[part] > 0 for part in ("model", "attention", "engine"))
     assert split["model"] + split["attention"] < split["total"]
+
+
+def test_bench_overhead_quick_reports_the_ops_and_the_split_of_a_hit(capsys):
+    """``relaygr bench overhead --quick`` ends with a RESULT line holding the op counts, the time per hit and its
+    split into the model's own ops, the attention op and the engine's host work."""
+    from relaygr_engine import cli
+    assert cli.main(["bench", "overhead", "--quick"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    values = dict(kv.split("=", 1) for kv in line.split()[1:])
+    assert line.startswith("RESULT ") and float(values["ops_per_layer"]) <= 25 and values["clock"] == "thread_CPU_time"
+    for key in ("us_per_call", "model_us_per_call", "attention_us_per_call", "engine_us_per_call"):
+        assert float(values[key]) > 0, key
