@@ -54,12 +54,16 @@ AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_
 def prune_configs(configs, named_args, **kwargs):
     """The autotune candidates of a variant that compile spill-free on sm_90 (bf16, 8 warps): ``BLOCK_N = 32`` above
     head dim 128, and for HSTU history tiles (a per-(row, key) bias) from head dim 128, there with 2 stages only
-    above 128. Every other config of :data:`CUDA_CONFIGS` is kept."""
+    above 128; HSTU candidate tiles with a bias (its table read per key block) with 3 stages only above 128. Every
+    other config of :data:`CUDA_CONFIGS` is kept."""
     meta = {**named_args, **kwargs}
-    head_dim, hist = meta.get("HEAD_DIM", 0), meta.get("HSTU", False) and not meta.get("CAND_TILES", True)
+    head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
+    hist = hstu and not cand
+    cand_bias = hstu and cand and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
     kept = [c for c in configs
             if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (hist and head_dim >= 128)))
-            and (c.num_stages <= 2 or not (hist and head_dim > 128))]
+            and (c.num_stages <= 2 or not (hist and head_dim > 128))
+            and (c.num_stages >= 3 or not (cand_bias and head_dim > 128))]
     return kept or configs[:1]
 
 

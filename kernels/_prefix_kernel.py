@@ -14,8 +14,10 @@ prefix without it), and streams keys in blocks of ``BLOCK_N``:
    itself, never another candidate).
 
 Candidate tiles share everything but the key: every candidate of a user has position ``P + n`` and the request time,
-so HSTU's relative bias ``pos_bias[min(P + n - j, NP - 1)] + ts_bias[bucket(t_c - t_j)]`` is a ``[BLOCK_N]`` vector
-per key block, added to each score by one add. History tiles (few rows, causal) compute it per (row, key).
+so HSTU's relative bias ``pos_bias[min(P + n - j, NP - 1)] + ts_bias[bucket(t_c - t_j)]`` is one value per (user,
+key), computed once per layer into a table (:mod:`relaygr_engine.kernels._cand_bias`) that a candidate tile reads as
+one ``[BLOCK_N]`` load per key block (no key timestamps). History tiles (few rows, causal) compute it per (row,
+key) (:mod:`relaygr_engine.kernels._bias`).
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). Only pointer arithmetic with masks is used (no block pointers or tensor descriptors), so
@@ -26,88 +28,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._bias import _rel_bias
+
 # Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
 # multiple of 16 by default, so each new combination would compile a new binary (about a second, paid by the
 # ranking that meets it); these are passed as plain values.
-BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
+BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q", "stride_cb"]
 
 
-# ------------------------------------------------------------------------------------------------ relative bias
+# ------------------------------------------------------------------------------------------------ biases
 @triton.jit
-def _log2_bucket(dt, TS_BITS: tl.constexpr):
-    """``min(bit_length(max(dt, 0)), TS_BITS)`` of int64 ``dt``, from the exponent of ``d`` as a float.
-
-    ``d = clamp(dt, 0, 2**TS_BITS - 1)`` converts to a float whose biased exponent minus the bias is
-    ``bit_length(d)`` when the conversion is exact: fp32 up to 24 bits, fp64 up to 53 (``d = 0`` has exponent field 0
-    and maps to 0). Up to 31 bits the clamp works on the two 32-bit words of ``dt``.
-    Above 53 bits the conversion can round up to a power of two, one too many, which a compare
-    (``d >> (e - 1) == 0``) takes back.
-    """
-    if TS_BITS <= 31:
-        hi = (dt >> 32).to(tl.int32)  # the high word: 0 <= dt < 2**31 when it is 0 and the low word is >= 0
-        lo = dt.to(tl.int32)
-        d = tl.where(hi < 0, 0, tl.where((hi > 0) | (lo < 0), (1 << 31) - 1, lo))
-        if TS_BITS < 31:
-            d = tl.minimum(d, (1 << TS_BITS) - 1)
-    else:
-        d = tl.minimum(tl.maximum(dt, 0), (1 << TS_BITS) - 1)
-    if TS_BITS <= 24:
-        e = tl.maximum((d.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
-    else:
-        e = tl.maximum((d.to(tl.float64).to(tl.int64, bitcast=True) >> 52).to(tl.int32) - 1022, 0)
-    if TS_BITS > 53:
-        e = tl.where((e > 0) & ((d >> tl.maximum(e - 1, 0)) == 0), e - 1, e)
-    return e
-
-
-@triton.jit
-def _table_bucket(dt, bounds_ptr, num_bounds, TS_ABS: tl.constexpr, TS_STEPS: tl.constexpr):
-    """How many steps of the non-decreasing int64 table ``bounds[0 .. num_bounds)`` are ``<= dt`` (``|dt|`` with
-    ``TS_ABS``): a binary search extending the count by ``2**j``, ``j = TS_STEPS - 1 .. 0``."""
-    d = dt
-    if TS_ABS:
-        d = tl.where(dt < 0, -dt, dt)
-    count = tl.zeros_like(d).to(tl.int32)
-    for j in tl.static_range(TS_STEPS - 1, -1, -1):
-        probe = count + (1 << j)
-        ok = probe <= num_bounds
-        step = tl.load(bounds_ptr + (probe - 1), mask=ok, other=0)
-        count = tl.where(ok & (step <= d), probe, count)
-    return count
-
-
-@triton.jit
-def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+def _row_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr,
               TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
-    """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
-    given: a ``[BLOCK_N]`` vector for a candidate tile (scalar query), ``[BLOCK_M, BLOCK_N]`` for a history tile.
-    Every index is clamped into its table, so no load needs a mask."""
-    if HAS_TS:
-        if TS_TABLE:
-            bucket = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
-        else:
-            bucket = _log2_bucket(t_q - t_k, TS_BITS)
-        b = tl.load(ts_bias_ptr + bucket)
-        if HAS_POS:  # (started from the first term: 0.0 + x is an add the compiler must keep, for x = -0.0)
-            b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
-    else:
-        b = tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
-    return b
+    """A history tile's bias ``[BLOCK_M, BLOCK_N]`` for rows at ``q_pos``/``t_q`` ``[BLOCK_M, 1]`` and a key block
+    at ``k_pos``/``t_k`` ``[BLOCK_N]``."""
+    return _rel_bias(q_pos, k_pos[None, :], t_q, t_k[None, :], pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                     num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
 
 
 @triton.jit
-def _key_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
-              CAND_TILES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr,
-              TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
-    """The bias of a key block (keys ``k_pos``, times ``t_k``, ``[BLOCK_N]``): ``[1, BLOCK_N]`` for a candidate
-    tile (scalar ``q_pos``/``t_q``), ``[BLOCK_M, BLOCK_N]`` for a history tile (``q_pos``/``t_q`` ``[BLOCK_M, 1]``)."""
-    if CAND_TILES:
-        return _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
-                         HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)[None, :]
+def _cand_bias(cb_ptr, k_pos, hi, MASKED: tl.constexpr):
+    """A candidate tile's bias ``[1, BLOCK_N]`` for keys ``k_pos``, read from its user's row of the candidates'
+    bias table (:mod:`relaygr_engine.kernels._cand_bias`); with ``MASKED`` keys ``>= hi`` read 0."""
+    if MASKED:
+        return tl.load(cb_ptr + k_pos, mask=k_pos < hi, other=0.0)[None, :]
     else:
-        return _rel_bias(q_pos, k_pos[None, :], t_q, t_k[None, :], pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
-                         num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+        return tl.load(cb_ptr + k_pos)[None, :]
 
 
 # ------------------------------------------------------------------------------------------------ key blocks
@@ -231,17 +178,19 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
 
 @triton.jit
 def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
-                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, MASKED: tl.constexpr):
     """One block of cached keys ``start + offs_n`` (in ``page``) into the running state; with ``MASKED`` the keys
-    ``>= hi`` are hidden (the user's last block)."""
+    ``>= hi`` are hidden (the user's last block). A candidate tile reads its bias from ``cb_ptr`` (its user's row
+    of the candidates' bias table), so it needs no key timestamps."""
     BIAS: tl.constexpr = HAS_POS or HAS_TS
+    KEY_TS: tl.constexpr = HAS_TS and not CAND_TILES
     k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page, stride_kv,
-                            stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_TS, MASKED)
+                            stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, KEY_TS, MASKED)
     vs = 0.0
     if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
         ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv, stride_slot,
@@ -250,8 +199,13 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, h
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if KV8:
         s = s * ks[None, :]
-    bias = _key_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                     num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS) if BIAS else 0.0
+    bias = 0.0
+    if BIAS:
+        if CAND_TILES:
+            bias = _cand_bias(cb_ptr, start + offs_n, hi, MASKED)
+        else:
+            bias = _row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                             num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
     visible = (start + offs_n < hi)[None, :] if MASKED else 0
     return _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, MASKED, DOT_PRECISION, KV8)
 
@@ -265,9 +219,10 @@ def prefix_attention_kernel(
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
     pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
+    cand_bias_ptr,                                    # CAND_TILES with a bias: [B, stride_cb] (_cand_bias)
     ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D], [S, total_q, H, 2]
     num_heads, num_work, num_programs, num_splits, split_len, total_q,
-    num_pos, num_ts_bounds, stride_ts_page,
+    num_pos, num_ts_bounds, stride_ts_page, stride_cb,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_page, stride_kv, stride_slot, stride_head,
     scale, inv_norm,
@@ -311,9 +266,10 @@ def prefix_attention_kernel(
         row_end = seqlen if CAND_TILES else n_hist
         live = row0 < row_end                                   # else a padding tile: no key is read
         row_ok = rows < row_end
+        cb_ptr = cand_bias_ptr + user.to(tl.int64) * stride_cb  # CAND_TILES: the user's row of key biases
         if CAND_TILES:
-            q_pos = prefix_len + n_hist                         # every candidate's position and time
-            t_q = tl.load(ts_q_ptr + q_start + n_hist, mask=live, other=0) if HAS_TS else 0
+            q_pos = prefix_len + n_hist                         # every candidate's position
+            t_q = 0                                             # (their biases come from the table)
         else:
             q_pos = (prefix_len + rows)[:, None]
             t_q = tl.load(ts_q_ptr + q_start + rows, mask=row_ok, other=0)[:, None] if HAS_TS else 0
@@ -335,16 +291,16 @@ def prefix_attention_kernel(
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
-                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, DOT_PRECISION, KV8, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
-                stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, DOT_PRECISION, KV8, True)
 
@@ -358,14 +314,18 @@ def prefix_attention_kernel(
             idx = start + offs_n
             k_ok = idx < n_end
             k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d,
-                                   k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+                                   k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D,
+                                   HAS_TS and not CAND_TILES, True)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            bias = _key_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                             num_ts_bounds, CAND_TILES, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
-                             TS_ABS) if BIAS else 0.0
+            bias = 0.0
             if CAND_TILES:
+                if BIAS:
+                    bias = _cand_bias(cb_ptr, prefix_len + idx, prefix_len + n_end, True)
                 visible = k_ok[None, :]
             else:
+                if BIAS:
+                    bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                     num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
                 visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
             acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS, True,
                                     DOT_PRECISION, False)
@@ -374,10 +334,13 @@ def prefix_attention_kernel(
         if CAND_TILES:
             if live & (split == 0):
                 k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, k_head, v_head, stride_kt,
-                                       stride_vt, HEAD_DIM, BLOCK_D, HAS_TS, True)
+                                       stride_vt, HEAD_DIM, BLOCK_D, False, True)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                bias = _rel_bias(q_pos, q_pos, t_q, t_q, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                                 num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+                bias = 0.0
+                if BIAS:  # distance 0, time difference 0: one scalar
+                    t_0 = q_start.to(tl.int64) * 0
+                    bias = _rel_bias(q_pos, q_pos, t_0, t_0, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                                     num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
                 visible = (offs_m[:, None] == offs_m[None, :]) & row_ok[None, :]
                 acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
                                         True, DOT_PRECISION, False)

@@ -36,6 +36,7 @@ from ..config import AttentionMode, KVDtype, TimeBucket, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from ._prefix_config import KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config, reset_autotuning
+from ._cand_bias import candidate_bias
 from ._prefix_kernel import prefix_attention_kernel
 from ._split import merge_splits, pick_splits
 
@@ -319,6 +320,14 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     ts_bounds = time_bucket_bounds(ts_fn, ts_bias.numel(), device) if ts_table else None
     ts_steps = ts_bounds.numel().bit_length() if ts_table else 0  # the table search's steps
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
+    cand_bias = None  # candidate tiles' bias per (user, key), once per layer (kernels._cand_bias)
+    if hstu and (has_pos or has_ts) and plan.cand_tiles.shape[1]:
+        cand_bias = candidate_bias(
+            plan.batch, plan.max_key_len, (kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates),
+            (pos_bias, ts_bias), (ts_cache if has_ts and ts_cache is not None else ts_q if has_ts else dummy,
+                                  ts_q if has_ts else dummy, ts_bounds if ts_table else dummy),
+            page_size=page_size, ts_bits=ts_bits, ts_steps=ts_steps, ts_table=ts_table,
+            ts_abs=ts_table and ts_fn.absolute, device=device)
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
     pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache
     scales = kv_cache.view(-1).view(torch.float32) if kd.quantized else q
@@ -326,9 +335,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     tail = (
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
-        ts_bounds if ts_table else dummy, ws, ml)
+        ts_bounds if ts_table else dummy, dummy if cand_bias is None else cand_bias, ws, ml)
     shape = (pos_bias.numel() if has_pos else 1, ts_bounds.numel() if ts_table else 0,
              ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
+             0 if cand_bias is None else cand_bias.stride(0),
              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
              out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
              scale, inv_norm)

@@ -480,7 +480,7 @@ COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
 from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
-from relaygr_engine.kernels import kv_pack, kv_write, prefix_attention as p
+from relaygr_engine.kernels import _cand_bias, kv_pack, kv_write, prefix_attention as p
 
 def check(k, name):
     ttir = k.asm["ttir"]
@@ -501,11 +501,19 @@ assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
 check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
                                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
                      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
+check(compile_kernel(_cand_bias.cand_bias_kernel,
+                     dict(out_ptr="*fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
+                          ts_q_ptr="*i64", ts_bounds_ptr="*i64", **{n: "*i32" for n in (
+                              "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr")}),
+                     dict(PAGE_SIZE=64, BLOCK=256, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
+                          TS_TABLE=False, TS_ABS=False)), "cand_bias")
 for pack in (True, False):
     check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
                          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
 # per-batch integers are not specialised (a new batch shape must not compile a new binary)
-for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q"}),
+for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q",
+                                                "stride_cb"}),
+                 (_cand_bias.cand_bias_kernel, {"stride_row"}),
                  (kv_write._kv_write_kernel, {"num_tokens", "num_work", "num_programs"}),
                  (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"})):
     assert {q.name for q in k.params if q.do_not_specialize} == names, k
@@ -701,3 +709,18 @@ def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monk
     for bad in (0, 33, True, 2.0):
         with pytest.raises(ValueError, match="splits must be an integer in"):
             _split.pick_splits(cuda, 24, 3968, splits=bad)
+
+
+def test_prune_configs_keeps_the_rules_the_static_report_found():
+    """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): head dim 256 keeps 32-key
+    blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles 2; head dim 64 keeps all."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    def kept(**meta):
+        return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta))
+
+    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 2), (32, 3), (64, 2),
+                                                                                        (64, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]

@@ -112,7 +112,8 @@ def attention_types(pointer: str) -> dict:
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
     types.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64",
-                 ts_bounds_ptr="*i64", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32", inv_norm="fp32")
+                 ts_bounds_ptr="*i64", cand_bias_ptr="*fp32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32",
+                 inv_norm="fp32")
     return types
 
 
@@ -201,7 +202,9 @@ def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf1
     grid = []
     for mode, d, cand in itertools.product(modes, head_dims, (False, True)):
         pick = K.pick_config(torch.device("cuda"), torch_dtype, d)
-        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, HSTU=mode.startswith("hstu"), CAND_TILES=cand)
+        biased = mode == "hstu"
+        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, HSTU=mode.startswith("hstu"), CAND_TILES=cand,
+                               HAS_POS=biased, HAS_TS=biased)
         grid += [Config(mode, d, cand, pick.block_m if cand else pick.hist_block_m, c.kwargs["BLOCK_N"], c.num_warps,
                         c.num_stages) for c in kept]
     return grid
