@@ -55,7 +55,8 @@ def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr,
               TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
     """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
-    given: a ``[BLOCK_N]`` vector for a candidate tile (scalar query), ``[BLOCK_M, BLOCK_N]`` for a history tile.
+    given: ``[BLOCK_M, BLOCK_N]`` for a history tile, a vector of keys for one query position and time (the
+    candidates' table), a scalar for a candidate's own key.
     Every index is clamped into its table, so no load needs a mask."""
     if HAS_TS:
         if TS_TABLE:

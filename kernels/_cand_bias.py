@@ -84,12 +84,11 @@ def candidate_bias(batch: int, max_key_len: int, tables: tuple, biases: tuple, t
         return None
     pos_bias, ts_bias = biases
     ts_cache, ts_q, ts_bounds = ts
-    dummy = pos_bias if pos_bias is not None else ts_bias
     out = torch.empty((batch, max_key_len), dtype=torch.float32, device=device)
     grid = (batch, C.cdiv(max_key_len, BLOCK))
-    with C.device_guard(device):
-        cand_bias_kernel[grid](out, *tables, dummy if pos_bias is None else pos_bias,
-                               dummy if ts_bias is None else ts_bias, ts_cache, ts_q, ts_bounds,
+    with C.device_guard(device):  # an absent table's pointer is the other table (never read: its flag is off)
+        cand_bias_kernel[grid](out, *tables, ts_bias if pos_bias is None else pos_bias,
+                               pos_bias if ts_bias is None else ts_bias, ts_cache, ts_q, ts_bounds,
                                1 if pos_bias is None else pos_bias.numel(), ts_bounds.numel() if ts_table else 0,
                                ts_cache.stride(0) if ts_cache.dim() == 2 else 0, max_key_len,
                                PAGE_SIZE=page_size, BLOCK=BLOCK, HAS_POS=pos_bias is not None,
