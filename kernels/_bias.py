@@ -1,6 +1,6 @@
 """The HSTU relative bias in Triton: ``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]``
-(``@triton.jit`` helpers shared by the prefix-attention kernel's history tiles and the candidates' bias kernel,
-:mod:`relaygr_engine.kernels._cand_bias`)."""
+(``@triton.jit`` helpers shared by the prefix-attention kernel's history tiles and the bias-table kernel,
+:mod:`relaygr_engine.kernels._bias_table`)."""
 from __future__ import annotations
 
 import triton
@@ -56,7 +56,7 @@ def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
               TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
     """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
     given: ``[BLOCK_M, BLOCK_N]`` for a history tile, a vector of keys for one query position and time (the
-    candidates' table), a scalar for a candidate's own key.
+    bias table), a scalar for a candidate's own key.
     Every index is clamped into its table, so no load needs a mask."""
     if HAS_TS:
         if TS_TABLE:

@@ -47,22 +47,24 @@ SPLIT_ALIGN = 128
 # No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
-AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "PERSISTENT",
-                 "SPLIT", "KV8"]
+AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "HIST_TABLE",
+                 "PERSISTENT", "SPLIT", "KV8"]
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """The autotune candidates of a variant that compile spill-free on sm_90 (bf16, 8 warps): ``BLOCK_N = 32`` above
-    head dim 128, and for HSTU history tiles (a per-(row, key) bias) from head dim 128, there with 2 stages only
-    above 128; HSTU candidate tiles with a bias (its table read per key block) with 3 stages only above 128. Every
-    other config of :data:`CUDA_CONFIGS` is kept."""
+    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16, 8 warps):
+    ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel
+    (no ``HIST_TABLE``) ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a
+    bias (their table row read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS`
+    is kept."""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
-    hist = hstu and not cand
-    cand_bias = hstu and cand and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
+    biased = hstu and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
+    row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
+    cand_bias = biased and cand
     kept = [c for c in configs
-            if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (hist and head_dim >= 128)))
-            and (c.num_stages <= 2 or not (hist and head_dim > 128))
+            if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
+            and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128))]
     return kept or configs[:1]
 

@@ -15,9 +15,10 @@ prefix without it), and streams keys in blocks of ``BLOCK_N``:
 
 Candidate tiles share everything but the key: every candidate of a user has position ``P + n`` and the request time,
 so HSTU's relative bias ``pos_bias[min(P + n - j, NP - 1)] + ts_bias[bucket(t_c - t_j)]`` is one value per (user,
-key), computed once per layer into a table (:mod:`relaygr_engine.kernels._cand_bias`) that a candidate tile reads as
-one ``[BLOCK_N]`` load per key block (no key timestamps). History tiles (few rows, causal) compute it per (row,
-key) (:mod:`relaygr_engine.kernels._bias`).
+key), computed once per layer into a table (:mod:`relaygr_engine.kernels._bias_table`) that a candidate tile reads as
+one ``[BLOCK_N]`` load per key block (no key timestamps). History tiles (few rows, causal) read their rows of the
+same table (``HIST_TABLE``: one contiguous ``[BLOCK_M, BLOCK_N]`` load per key block) when the launcher built them,
+else compute the bias per (row, key) (:mod:`relaygr_engine.kernels._bias`).
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). Only pointer arithmetic with masks is used (no block pointers or tensor descriptors), so
@@ -33,7 +34,9 @@ from ._bias import _rel_bias
 # Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
 # multiple of 16 by default, so each new combination would compile a new binary (about a second, paid by the
 # ranking that meets it); these are passed as plain values.
-BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q", "stride_cb"]
+# (``stride_tb``, the bias table's row stride, is specialised: always a multiple of 16 entries (or 0 without a
+# table), it compiles one binary, which knows a history tile's rows of the table load as 16-byte vectors.)
+BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
 
 
 # ------------------------------------------------------------------------------------------------ biases
@@ -48,13 +51,16 @@ def _row_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
 
 
 @triton.jit
-def _cand_bias(cb_ptr, k_pos, hi, MASKED: tl.constexpr):
-    """A candidate tile's bias ``[1, BLOCK_N]`` for keys ``k_pos``, read from its user's row of the candidates'
-    bias table (:mod:`relaygr_engine.kernels._cand_bias`); with ``MASKED`` keys ``>= hi`` read 0."""
-    if MASKED:
-        return tl.load(cb_ptr + k_pos, mask=k_pos < hi, other=0.0)[None, :]
+def _table_bias(tb_ptr, k_pos, offs_m, stride_tb, CAND_TILES: tl.constexpr):
+    """A tile's bias for keys ``k_pos [BLOCK_N]`` read from the bias table (:mod:`relaygr_engine.kernels._bias_table`):
+    a candidate tile's ``[1, BLOCK_N]`` from its user's row ``tb_ptr``, a history tile's ``[BLOCK_M, BLOCK_N]`` from
+    its rows ``tb_ptr + offs_m * stride_tb``. No mask: a row is ``BLOCK_N - 1`` entries wider than any user's keys
+    (:func:`~relaygr_engine.kernels._bias_table.table_width`), so a block's keys past the user's (hidden by the
+    caller) read finite values of the same row."""
+    if CAND_TILES:
+        return tl.load(tb_ptr + k_pos[None, :])
     else:
-        return tl.load(cb_ptr + k_pos)[None, :]
+        return tl.load(tb_ptr + offs_m[:, None] * stride_tb + k_pos[None, :])
 
 
 # ------------------------------------------------------------------------------------------------ key blocks
@@ -177,18 +183,18 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
 
 
 @triton.jit
-def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
-                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, MASKED: tl.constexpr):
+                TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, MASKED: tl.constexpr):
     """One block of cached keys ``start + offs_n`` (in ``page``) into the running state; with ``MASKED`` the keys
-    ``>= hi`` are hidden (the user's last block). A candidate tile reads its bias from ``cb_ptr`` (its user's row
-    of the candidates' bias table), so it needs no key timestamps."""
+    ``>= hi`` are hidden (the user's last block). With ``TABLE`` the tile reads its bias from the bias table at
+    ``tb_ptr`` (:func:`_table_bias`), so it needs no key timestamps."""
     BIAS: tl.constexpr = HAS_POS or HAS_TS
-    KEY_TS: tl.constexpr = HAS_TS and not CAND_TILES
+    KEY_TS: tl.constexpr = HAS_TS and not TABLE
     k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page, stride_kv,
                             stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, KEY_TS, MASKED)
     vs = 0.0
@@ -201,8 +207,8 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, h
         s = s * ks[None, :]
     bias = 0.0
     if BIAS:
-        if CAND_TILES:
-            bias = _cand_bias(cb_ptr, start + offs_n, hi, MASKED)
+        if TABLE:
+            bias = _table_bias(tb_ptr, start + offs_n, offs_m, stride_tb, CAND_TILES)
         else:
             bias = _row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
                              num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
@@ -219,10 +225,10 @@ def prefix_attention_kernel(
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
     pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
-    cand_bias_ptr,                                    # CAND_TILES with a bias: [B, stride_cb] (_cand_bias)
+    bias_table_ptr,                                   # TABLE: [rows, stride_tb] fp32 (kernels._bias_table)
     ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D], [S, total_q, H, 2]
     num_heads, num_work, num_programs, num_splits, split_len, total_q,
-    num_pos, num_ts_bounds, stride_ts_page, stride_cb,
+    num_pos, num_ts_bounds, stride_ts_page, stride_tb,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_page, stride_kv, stride_slot, stride_head,
     scale, inv_norm,
@@ -230,10 +236,12 @@ def prefix_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAND_TILES: tl.constexpr,
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr, KV8: tl.constexpr,
+    HIST_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
+    KV8: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
+    TABLE: tl.constexpr = BIAS and (CAND_TILES or HIST_TABLE)  # the bias comes from the bias table
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -266,13 +274,15 @@ def prefix_attention_kernel(
         row_end = seqlen if CAND_TILES else n_hist
         live = row0 < row_end                                   # else a padding tile: no key is read
         row_ok = rows < row_end
-        cb_ptr = cand_bias_ptr + user.to(tl.int64) * stride_cb  # CAND_TILES: the user's row of key biases
+        # The tile's rows of the bias table: its user's row (candidates), the tile's BLOCK_M rows (history).
+        tb_ptr = bias_table_ptr + (user if CAND_TILES else tile * BLOCK_M).to(tl.int64) * stride_tb
         if CAND_TILES:
             q_pos = prefix_len + n_hist                         # every candidate's position
-            t_q = 0                                             # (their biases come from the table)
         else:
             q_pos = (prefix_len + rows)[:, None]
-            t_q = tl.load(ts_q_ptr + q_start + rows, mask=row_ok, other=0)[:, None] if HAS_TS else 0
+        t_q = 0                                                 # (a tile with TABLE needs no query time)
+        if HAS_TS and not TABLE:
+            t_q = tl.load(ts_q_ptr + q_start + rows, mask=row_ok, other=0)[:, None]
         g_rows = (q_start + rows).to(tl.int64)                  # rows of q/k/v/out
         q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -281,7 +291,7 @@ def prefix_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)           # softmax: running sum of exp2(logit - m_i)
 
         # 1. This split's chunk [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
-        lo = split * split_len
+        lo = tl.multiple_of(split * split_len, 16)  # split_len is a multiple of every BLOCK_N (SPLIT_ALIGN)
         hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         # The page ids run one block ahead (loop-carried), so their load's latency hides behind a block's work.
@@ -290,19 +300,19 @@ def prefix_attention_kernel(
         for start in range(lo, full_hi, BLOCK_N):
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _page_block(
-                acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
-                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, DOT_PRECISION, KV8, False)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
-                acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, cb_ptr, num_pos,
-                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, scale, qk_scale,
+                acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
+                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, DOT_PRECISION, KV8, True)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, True)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)
@@ -315,17 +325,17 @@ def prefix_attention_kernel(
             k_ok = idx < n_end
             k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d,
                                    k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D,
-                                   HAS_TS and not CAND_TILES, True)
+                                   HAS_TS and not TABLE, True)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             bias = 0.0
+            if TABLE:
+                bias = _table_bias(tb_ptr, prefix_len + idx, offs_m, stride_tb, CAND_TILES)
+            elif BIAS:
+                bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                 num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
             if CAND_TILES:
-                if BIAS:
-                    bias = _cand_bias(cb_ptr, prefix_len + idx, prefix_len + n_end, True)
                 visible = k_ok[None, :]
             else:
-                if BIAS:
-                    bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
-                                     num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
                 visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
             acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS, True,
                                     DOT_PRECISION, False)

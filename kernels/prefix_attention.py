@@ -3,16 +3,19 @@
 The launcher and the batch plan; the ``@triton.jit`` code and its configs are in
 :mod:`relaygr_engine.kernels._prefix_kernel`. A call checks its inputs, plans the batch's tiles (or takes a plan
 built once per batch, :func:`plan_prefix_attention`), and launches the kernel once per kind of tile: history tiles
-(new history rows: causal, per-element relative bias) and candidate tiles (all of a user's candidates share one
-query position and time, so the bias is a vector per key block). With split-prefix scheduling each tile's cached
-prefix is shared by several programs whose partial sums are merged after both launches.
+(new history rows: causal) and candidate tiles (all of a user's candidates share one query position and time). With
+split-prefix scheduling each tile's cached prefix is shared by several programs whose partial sums are merged after
+both launches.
 
 Modes
 -----
 softmax  online softmax in fp32 (running max and sum, ``exp2`` with the scale folded in).
 hstu     ``sum_j SiLU(alpha * q.k_j + rab_ij) v_j / N``: pointwise, so no running max or log-sum-exp. The relative
-         bias ``rab`` is computed in the kernel from integer positions and int64 timestamps (``pos_bias[min(dq,
-         P-1)] + ts_bias[bucket(t_q - t_k)]``), never materialised as a ``[queries, keys]`` tensor.
+         bias ``rab = pos_bias[min(dq, P-1)] + ts_bias[bucket(t_q - t_k)]`` (integer positions, int64 timestamps)
+         is computed once per layer into a bias table (:mod:`relaygr_engine.kernels._bias_table`): one row per
+         user serves all its candidates (they share a position and a time), one row per history row within
+         :data:`~relaygr_engine.kernels._bias_table.HIST_BIAS_TABLE_BYTES` (32 MiB); above that budget history
+         tiles compute it per (row, key) in the kernel. No ``[candidates, keys]`` bias is ever made.
 
 Positions: prefix token ``j`` -> ``j``; new history token ``i`` -> ``P + i``; every candidate -> ``P + n`` (the
 history length). So key ``j`` of the concatenated sequence [prefix | new history] has position ``j``, and row ``r``
@@ -32,11 +35,12 @@ from typing import Optional
 import torch
 from .. import quant
 from .._host import ship
-from ..config import AttentionMode, KVDtype, TimeBucket, parse_choice
+from ..config import AttentionMode, KVDtype, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_config import KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config, reset_autotuning
-from ._cand_bias import candidate_bias
+from ._prefix_config import (CUDA_CONFIGS, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
+                             reset_autotuning)
+from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._split import merge_splits, pick_splits
 
@@ -177,7 +181,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
                      plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
-                     kv_dtype="model") -> torch.Tensor:
+                     kv_dtype="model", bias_table_bytes: Optional[int] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -234,6 +238,12 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         after the kernel (:func:`~relaygr_engine.kernels._split.merge_splits`). Default: by device
         (:func:`~relaygr_engine.kernels._split.pick_splits`: on CUDA when the tiles alone leave most SMs idle, e.g.
         one user's few hundred rows against a long prefix; never elsewhere).
+    bias_table_bytes : int, optional
+        hstu with a bias: the history tiles read their bias from a per-layer table
+        (:mod:`~relaygr_engine.kernels._bias_table`: 4 bytes per history tile row and key of the longest
+        user, plus a key block, rounded up to 16 keys)
+        when it takes at most this many bytes (default ``HIST_BIAS_TABLE_BYTES``, 32 MiB), else compute it in the
+        kernel; 0 always computes it. Candidate tiles always read theirs from a table (one row per user).
 
     Returns
     -------
@@ -280,6 +290,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                            device=device)
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
+    if bias_table_bytes is not None:
+        bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
     if plan is not None:
         if not isinstance(plan, PrefixAttentionPlan):
             raise ValueError(f"plan must be a PrefixAttentionPlan (plan_prefix_attention), got {C.describe(plan)}")
@@ -320,12 +332,19 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     ts_bounds = time_bucket_bounds(ts_fn, ts_bias.numel(), device) if ts_table else None
     ts_steps = ts_bounds.numel().bit_length() if ts_table else 0  # the table search's steps
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
-    cand_bias = None  # candidate tiles' bias per (user, key), once per layer (kernels._cand_bias)
-    if hstu and (has_pos or has_ts) and plan.cand_tiles.shape[1]:
-        cand_bias = candidate_bias(
-            plan.batch, plan.max_key_len, (kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates),
-            (pos_bias, ts_bias), (ts_cache if has_ts and ts_cache is not None else ts_q if has_ts else dummy,
-                                  ts_q if has_ts else dummy, ts_bounds if ts_table else dummy),
+    # HSTU's bias once per layer (kernels._bias_table): a row per user for the candidate tiles and, within the
+    # budget, a row per history tile row; history tiles without rows compute theirs in the kernel.
+    table, user_rows, hist_table = None, 0, False
+    if hstu and (has_pos or has_ts):
+        user_rows = plan.batch if plan.cand_tiles.shape[1] else 0
+        max_block_n = cfg.block_n or max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # (autotuned: any of these)
+        hist_table = hist_rows_fit(plan.hist_tiles.shape[1] * plan.hist_block_m, plan.max_key_len, max_block_n,
+                                   bias_table_bytes)
+        table = bias_table(
+            user_rows, plan.hist_tiles if hist_table else None, plan.hist_block_m, plan.max_key_len, max_block_n,
+            (kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates), (pos_bias, ts_bias),
+            (ts_cache if has_ts and ts_cache is not None else ts_q if has_ts else dummy,
+             ts_q if has_ts else dummy, ts_bounds if ts_table else dummy),
             page_size=page_size, ts_bits=ts_bits, ts_steps=ts_steps, ts_table=ts_table,
             ts_abs=ts_table and ts_fn.absolute, device=device)
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
@@ -335,10 +354,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     tail = (
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
-        ts_bounds if ts_table else dummy, dummy if cand_bias is None else cand_bias, ws, ml)
+        ts_bounds if ts_table else dummy)
     shape = (pos_bias.numel() if has_pos else 1, ts_bounds.numel() if ts_table else 0,
              ts_cache.stride(0) if has_ts and ts_cache is not None else 0,
-             0 if cand_bias is None else cand_bias.stride(0),
+             0 if table is None else table.stride(0),
              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
              out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
              scale, inv_norm)
@@ -360,8 +379,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
             if num_work == 0:
                 continue
             programs = C.num_programs(device, num_work, persistent)
-            kernel[(programs,)](*head, tiles[0], tiles[1], *tail, num_heads, num_work, programs, num_splits,
-                                split_len, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand, **meta, **extra)
+            rows_of = dummy if table is None or not (cand or hist_table) else table if cand else table[user_rows:]
+            kernel[(programs,)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work, programs,
+                                num_splits, split_len, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand,
+                                HIST_TABLE=hist_table and not cand, **meta, **extra)
     if num_splits > 1:
         out.copy_(merge_splits(ws, None if hstu else ml, inv_norm))
     return out

@@ -93,8 +93,10 @@ def attention_kwargs(mode, bias, head_dim, which=("pos", "ts")):
     return kw
 
 
-def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL, splits=None):
-    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n, splits=splits)
+def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL, splits=None,
+                    bias_table_bytes=None):
+    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n, splits=splits,
+                           bias_table_bytes=bias_table_bytes)
     ref = prefix_attention_ref(**args, **kw)
     assert out.shape == ref.shape and out.dtype == args["q"].dtype
     assert torch.isfinite(out).all()
@@ -181,7 +183,37 @@ def test_prefix_attention_random_shapes(seed):
                               num_buckets=1 + rand(40))
     which = pick([(), ("pos",), ("ts",), ("pos", "ts")])
     check_attention(args, attention_kwargs(mode, bias, head_dim, which), persistent=bool(seed % 2),
-                    block_m=pick([16, 32]), block_n=pick([16, 32, 64]))
+                    block_m=pick([16, 32]), block_n=pick([16, 32, 64]), bias_table_bytes=pick([None, 0]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("time_bucket", ["log2", "sqrt_60"])
+def test_history_tiles_read_the_bias_table_within_its_budget(monkeypatch, time_bucket):
+    """History tiles get rows of the bias table when they fit ``bias_table_bytes`` (4 bytes per tile row and key,
+    the row width rounded up to 16) and compute the bias in the kernel otherwise: both give the same bits, split or
+    not, and match the reference."""
+    from relaygr_engine.kernels import _bias_table, prefix_attention as pa
+
+    users = [(45, 20, 9), (16, 3, 0), (0, 7, 5), (30, 0, 4)]
+    args, bias = make_problem(users, 16, 2, 32, seed=21, num_buckets=9 if time_bucket == "log2" else 40)
+    kw = dict(attention_kwargs("hstu", bias, 32), time_bucket=time_bucket)
+    built = []
+    real = _bias_table.bias_table
+    monkeypatch.setattr(pa, "bias_table", lambda user_rows, hist_tiles, *a, **k: (
+        built.append((user_rows, None if hist_tiles is None else hist_tiles.shape[1])),
+        real(user_rows, hist_tiles, *a, **k))[1])
+    # history tiles of 16 rows: user 0 has 2, users 1 and 2 one each; rows as wide as the plan's bound on keys,
+    # 45 + 29 = 74 (it counts the candidate rows too), plus a key block of 16 less one, rounded up to 96 entries
+    need = 4 * 16 * 4 * 96
+    outs = {}
+    for budget in (None, need, need - 1, 0):
+        for splits in (1, 3):
+            built.clear()
+            outs[budget, splits] = check_attention(args, kw, persistent=splits == 3, block_m=16, block_n=16,
+                                                   splits=splits, bias_table_bytes=budget)
+            assert built == [(4, 4 if budget is None or budget >= need else None)], (budget, built)
+    for key, out in outs.items():
+        assert torch.equal(out, outs[None, key[1]]), key
 
 
 @needs_interpreter
@@ -334,6 +366,8 @@ def test_prefix_attention_rejects_bad_inputs():
         (args, dict(mode="hstu", scale=1.0, pos_bias=bias["pos_bias"].long()), ValueError, "pos_bias must"),
         (args, dict(mode="hstu", scale=1.0, pos_bias=bias["pos_bias"][:0]), ValueError, "at least one entry"),
         (args, dict(kw, block_n=24), ValueError, "block_n must be a power of two"),
+        (args, dict(kw, bias_table_bytes=-1), ValueError, "bias_table_bytes must be an integer >= 0, got -1"),
+        (args, dict(kw, bias_table_bytes=True), ValueError, "bias_table_bytes must be an integer >= 0, got True"),
     ]
     for a, k, exc, msg in cases:
         with pytest.raises(exc, match=msg):
@@ -480,7 +514,7 @@ COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
 from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
-from relaygr_engine.kernels import _cand_bias, kv_pack, kv_write, prefix_attention as p
+from relaygr_engine.kernels import _bias_table, kv_pack, kv_write, prefix_attention as p
 
 def check(k, name):
     ttir = k.asm["ttir"]
@@ -495,25 +529,27 @@ for persistent in (False, True):
     for cand in (False, True):
         check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent,
                                 cand_tiles=cand), "hstu")
+    check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=2, persistent=persistent,
+                            cand_tiles=False, hist_table=False), "hstu, history bias in the kernel")
 check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
 regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
 assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
 check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
                                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
                      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
-check(compile_kernel(_cand_bias.cand_bias_kernel,
+check(compile_kernel(_bias_table.bias_table_kernel,
                      dict(out_ptr="*fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
                           ts_q_ptr="*i64", ts_bounds_ptr="*i64", **{n: "*i32" for n in (
-                              "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr")}),
-                     dict(PAGE_SIZE=64, BLOCK=256, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
-                          TS_TABLE=False, TS_ABS=False)), "cand_bias")
+                              "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
+                              "tile_user_ptr", "tile_row_ptr")}),
+                     dict(PAGE_SIZE=64, BLOCK=256, BLOCK_M=64, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
+                          TS_TABLE=False, TS_ABS=False)), "bias_table")
 for pack in (True, False):
     check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
                          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
 # per-batch integers are not specialised (a new batch shape must not compile a new binary)
-for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q",
-                                                "stride_cb"}),
-                 (_cand_bias.cand_bias_kernel, {"stride_row"}),
+for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q"}),
+                 (_bias_table.bias_table_kernel, {"num_user_rows", "stride_row"}),
                  (kv_write._kv_write_kernel, {"num_tokens", "num_work", "num_programs"}),
                  (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"})):
     assert {q.name for q in k.params if q.do_not_specialize} == names, k
@@ -580,12 +616,19 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
     rows = json.loads(path.read_text())["rows"]
-    expect = {(m, c, len(K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=64, HSTU=m != "softmax", CAND_TILES=c)))
-              for m in ("softmax", "hstu", "hstu-nobias") for c in (False, True)}
+    biased = ("hstu", "hstu-inkernel")
+    expect = {(m, c, len(K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=64, HSTU=m != "softmax", CAND_TILES=c,
+                                         HAS_POS=m in biased, HAS_TS=m in biased, HIST_TABLE=m == "hstu")))
+              for m in ("softmax", "hstu", "hstu-inkernel", "hstu-nobias") for c in (False, True)
+              if not (m == "hstu-inkernel" and c)}  # candidate tiles always read the bias table
     got = {(r["config"]["mode"], r["config"]["cand_tiles"]) for r in rows}
     assert got == {(m, c) for m, c, _ in expect} and len(rows) == sum(n for *_, n in expect)
     assert int(result["default_configs"]) == sum(n for m, _, n in expect if m != "hstu-nobias")
-    assert result["default_spilling"] == "0" and float(result["bias_instr_ratio_cand"]) > 1.0
+    assert result["default_spilling"] == "0"
+    for kind in ("cand", "hist", "hist_inkernel"):
+        assert float(result[f"bias_instr_ratio_{kind}"]) > 1.0, kind
+    # reading the bias table costs a history tile less than computing it
+    assert float(result["bias_loop_ratio_hist"]) < float(result["bias_loop_ratio_hist_inkernel"])
     for r in rows:
         assert r["config"]["block_m"] == (K.CUDA_BLOCK_M if r["config"]["cand_tiles"] else K.CUDA_HIST_BLOCK_M)
         assert r["spill_store_bytes"] == 0 and r["fits"] and r["loop"]["mma"] > 0 and r["loop"]["async_copies"] > 0
@@ -651,11 +694,13 @@ def test_prefix_attention_split_prefix_bf16_cuda(mode):
 @gpu
 @needs_cuda
 def test_new_batch_shapes_compile_no_new_kernel_binary():
-    """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path)."""
+    """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
+    the attention kernel and of the bias-table kernel."""
+    from relaygr_engine.kernels._bias_table import bias_table_kernel
     from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
 
     def binaries():
-        return sum(len(c[0]) for c in kernel.device_caches.values())
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in (kernel, bias_table_kernel)]
 
     for i, users in enumerate([[(4000, 64, 256)], [(3001, 17, 255)], [(4100, 1, 33)], [(2500, 48, 64)]]):
         args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16, seed=i)
@@ -713,7 +758,8 @@ def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monk
 
 def test_prune_configs_keeps_the_rules_the_static_report_found():
     """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): head dim 256 keeps 32-key
-    blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles 2; head dim 64 keeps all."""
+    blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their bias in the
+    kernel 2 (reading it from the table, both); head dim 64 keeps all."""
     from relaygr_engine.kernels import _prefix_config as K
 
     def kept(**meta):
@@ -724,3 +770,8 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True) == [(32, 2), (32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == [(32, 2), (32, 3),
+                                                                                           (64, 2), (64, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)

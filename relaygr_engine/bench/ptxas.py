@@ -11,8 +11,9 @@ static facts of the compiled code, not timings: a config that spills pays local-
 and one whose shared memory exceeds the target's per-block limit cannot launch.
 
 ``--defaults`` compiles exactly the configs the launcher can run on CUDA (``pick_config``'s tile rows per kind,
-``CUDA_CONFIGS`` after ``prune_configs``) for head dims 64, 128 and 256, softmax and HSTU with both in-kernel biases,
-plus HSTU without biases to measure what the biases cost; the grid flags pick any other set.
+``CUDA_CONFIGS`` after ``prune_configs``) for head dims 64, 128 and 256, softmax and HSTU with both biases (history
+tiles reading them from the bias table, and computing them in the kernel, the launcher's path above the table's
+budget), plus HSTU without biases to measure what the biases cost; the grid flags pick any other set.
 
 Runs on any machine whose Triton has the NVIDIA backend (the PyPI wheel does); nothing is launched.
 """
@@ -39,11 +40,15 @@ __all__ = ["Build", "compile_attention", "compile_kernel", "default_grid", "ptxa
 # Shared memory one program may opt into, per compute capability (bytes; CUDA programming guide, "Technical
 # Specifications per Compute Capability").
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+MODES = ("softmax", "hstu", "hstu-inkernel", "hstu-nobias")
+BIASED = ("hstu", "hstu-inkernel")
 
 
 @dataclass(frozen=True)
 class Config:
-    """One config to compile: ``mode`` is ``softmax``, ``hstu`` (both biases) or ``hstu-nobias``."""
+    """One config to compile: ``mode`` is ``softmax``, ``hstu`` (both biases; history tiles read them from the bias
+    table, the launcher's choice within its budget), ``hstu-inkernel`` (both biases; history tiles compute them
+    per (row, key), the launcher's choice above it; candidate tiles as ``hstu``) or ``hstu-nobias``."""
 
     mode: str
     head_dim: int
@@ -112,7 +117,7 @@ def attention_types(pointer: str) -> dict:
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
     types.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64",
-                 ts_bounds_ptr="*i64", cand_bias_ptr="*fp32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32",
+                 ts_bounds_ptr="*i64", bias_table_ptr="*fp32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32",
                  inv_norm="fp32")
     return types
 
@@ -123,7 +128,8 @@ def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[
     specialisation."""
     row, slots = heads * head_dim, slots or page_size
     values = dict(num_heads=heads, stride_ts_page=page_size, stride_page=2 * slots * row,
-                  stride_kv=slots * row, stride_slot=row, stride_head=head_dim)
+                  stride_kv=slots * row, stride_slot=row, stride_head=head_dim,
+                  stride_tb=4096)  # the bias table's rows: always a multiple of 16 entries
     for t in "qkvo":
         values.update({f"stride_{t}t": row, f"stride_{t}h": head_dim})
     return values
@@ -131,9 +137,11 @@ def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[
 
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
-                      cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model"):
-    """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both in-kernel
-    biases on (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``)."""
+                      cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model",
+                      hist_table: bool = True):
+    """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
+    (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``). History tiles read their bias
+    from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the kernel."""
     from relaygr_engine import quant
     from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels import _common as C
@@ -146,6 +154,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       BLOCK_M=block_m, BLOCK_N=block_n, CAND_TILES=cand_tiles, HSTU=hstu, HAS_POS=biased,
                       HAS_TS=biased, TS_BITS=ts_bits,
                       TS_STEPS=0, TS_TABLE=False, TS_ABS=False,
+                      HIST_TABLE=biased and hist_table and not cand_tiles,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
                       KV8=KVDtype(kv_dtype).quantized)
     types = attention_types("*" + dtype)
@@ -183,7 +192,8 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
         kernel = compile_attention(cfg.mode.split("-")[0], cfg.head_dim, cfg.block_m, cfg.block_n,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
-                                   bias=cfg.mode == "hstu", kv_dtype=cfg.kv_dtype)
+                                   bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
+                                   hist_table=cfg.mode != "hstu-inkernel")
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -191,9 +201,10 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
     return Build(cfg, regs, st, ld, smem, smem <= limit, whole, loop, time.perf_counter() - t0)
 
 
-def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf16") -> list[Config]:
+def default_grid(head_dims, modes=MODES, dtype="bf16") -> list[Config]:
     """The configs the launcher can run on CUDA: per head dim, mode and tile kind, ``pick_config``'s rows per tile
-    and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default)."""
+    and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default);
+    ``hstu-inkernel`` for history tiles only (candidate tiles always read the bias table)."""
     import torch
 
     from relaygr_engine.kernels import _prefix_config as K
@@ -201,10 +212,12 @@ def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf1
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     grid = []
     for mode, d, cand in itertools.product(modes, head_dims, (False, True)):
+        if mode == "hstu-inkernel" and cand:
+            continue
         pick = K.pick_config(torch.device("cuda"), torch_dtype, d)
-        biased = mode == "hstu"
+        biased = mode in BIASED
         kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, HSTU=mode.startswith("hstu"), CAND_TILES=cand,
-                               HAS_POS=biased, HAS_TS=biased)
+                               HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu")
         grid += [Config(mode, d, cand, pick.block_m if cand else pick.hist_block_m, c.kwargs["BLOCK_N"], c.num_warps,
                         c.num_stages) for c in kept]
     return grid
@@ -212,11 +225,14 @@ def default_grid(head_dims, modes=("softmax", "hstu", "hstu-nobias"), dtype="bf1
 
 def _bias_ratios(rows: list[Build]) -> dict:
     """HSTU-with-biases over HSTU-without instructions (whole kernel and key loop), max over the configs of each
-    tile kind, and per head dim for candidate tiles (``bias_instr_ratio_cand_d256``)."""
+    tile kind (``hist``: history tiles reading the bias table, ``hist_inkernel``: computing it), and per head dim
+    for candidate tiles (``bias_instr_ratio_cand_d256``)."""
     plain = {dataclasses.replace(b.config, mode="hstu"): b for b in rows if b.config.mode == "hstu-nobias"}
-    pairs = [(b, plain[b.config]) for b in rows if b.config.mode == "hstu" and b.config in plain]
+    pairs = [(b, plain[dataclasses.replace(b.config, mode="hstu")]) for b in rows
+             if b.config.mode in BIASED and dataclasses.replace(b.config, mode="hstu") in plain]
     groups = {"cand": [x for x in pairs if x[0].config.cand_tiles],
-              "hist": [x for x in pairs if not x[0].config.cand_tiles]}
+              "hist": [x for x in pairs if not x[0].config.cand_tiles and x[0].config.mode == "hstu"],
+              "hist_inkernel": [x for x in pairs if x[0].config.mode == "hstu-inkernel"]}
     for d in sorted({b.config.head_dim for b, _ in groups["cand"]}):
         groups[f"cand_d{d}"] = [x for x in groups["cand"] if x[0].config.head_dim == d]
     out = {}
@@ -242,7 +258,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="the configs the launcher runs on CUDA (head dims 64,128,256 unless --head-dims is given; "
                          "the grid flags below are ignored)")
-    ap.add_argument("--modes", default="softmax,hstu", help="softmax, hstu (both biases), hstu-nobias")
+    ap.add_argument("--modes", default="softmax,hstu",
+                    help="softmax, hstu (both biases, history tiles reading the bias table), hstu-inkernel (history "
+                         "tiles computing them), hstu-nobias")
     ap.add_argument("--head-dims", type=POSITIVE_INTS, default=None, help="(64,128; 64,128,256 with --defaults)")
     ap.add_argument("--tiles", choices=("cand", "hist", "both"), default="cand",
                     help="compile the candidate-tile kernel, the history-tile one, or both (cand)")
@@ -259,8 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("softmax", "hstu", "hstu-nobias") for m in modes):
-        ap.error(f"--modes must name 'softmax', 'hstu' and/or 'hstu-nobias', got {opts.modes!r}")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes must name {', '.join(map(repr, MODES))} (one or more), got {opts.modes!r}")
     try:
         _require_nvidia_backend()
     except RuntimeError as exc:

@@ -1,0 +1,144 @@
+"""HSTU's relative bias once per layer into a table of rows of key biases, read by the prefix-attention kernel.
+
+A row holds the bias of one query position and time against each key ``j`` of its user,
+``pos_bias[min(q_pos - j, NP - 1)] + ts_bias[bucket(t_q - t_j)]``:
+
+- **candidate rows**, one per user: all candidates of user ``b`` sit at position ``T_b = P_b + n_b`` (its cached
+  prefix plus new history) and share the request time, so one row serves every candidate and every head;
+- **history rows**, one per row of each history tile (``BLOCK_M`` per tile, the tile table's order): new history
+  row ``i`` at position ``P_b + i`` and its own time. They are optional: the launcher builds them when they fit a
+  size budget (:data:`HIST_BIAS_TABLE_BYTES`); without them history tiles compute their bias in the kernel.
+
+The attention kernel (:mod:`relaygr_engine.kernels._prefix_kernel`) then reads a bias as one load per key block (a
+``[BLOCK_N]`` vector for a candidate tile, a ``[BLOCK_M, BLOCK_N]`` tile of contiguous rows for a history tile),
+with no key timestamps and no bucket arithmetic, instead of every (head, tile) program recomputing it. A row covers
+keys ``0 .. max_key_len`` and a key block more (:func:`table_width`), so readers load without masks; entries past
+its user's keys (and rows of padding tiles) are 0. Portable Triton (plain pointers and masks), as the attention
+kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common as C
+from ._bias import _rel_bias
+
+__all__ = ["HIST_BIAS_TABLE_BYTES", "bias_table", "bias_table_kernel", "hist_rows_fit", "table_width"]
+
+BLOCK = 256  # keys per program
+ROW_ALIGN = 16  # a row's width is a multiple of this many entries (64 bytes: rows load as 16-byte vectors)
+
+
+# History rows are built when they take at most this many bytes: 32 MiB, so the table stays in an H100/H200's 50 MB
+# L2 cache beside the K/V stream while every head and split reads it (a relay ranking's few new history rows against
+# a long prefix: e.g. 128 rows x 4096 keys = 2 MiB per user). Above it (full inference of long sequences: a table
+# quadratic in the length) history tiles compute the bias in the kernel.
+HIST_BIAS_TABLE_BYTES = 32 << 20
+
+
+def hist_rows_fit(rows: int, max_key_len: int, block_n: int, budget: Optional[int] = None) -> bool:
+    """Whether ``rows`` history rows (a plan's history tiles times their rows) fit ``budget`` bytes (None:
+    :data:`HIST_BIAS_TABLE_BYTES`)."""
+    budget = HIST_BIAS_TABLE_BYTES if budget is None else budget
+    return rows > 0 and rows * table_width(max_key_len, block_n) * 4 <= budget
+
+
+def table_width(max_key_len: int, block_n: int) -> int:
+    """Entries per row: ``max_key_len`` keys plus ``block_n - 1`` (a reader's last key block may run past its
+    user's keys and needs no mask), rounded up to :data:`ROW_ALIGN`."""
+    return C.cdiv(max_key_len + block_n - 1, ROW_ALIGN) * ROW_ALIGN
+
+
+@triton.jit(do_not_specialize=["num_user_rows", "stride_row"])
+def bias_table_kernel(
+    out_ptr,                                          # [rows, stride_row] fp32
+    kv_indptr_ptr, kv_indices_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
+    tile_user_ptr, tile_row_ptr,                      # the history tiles (int32 [n])
+    pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
+    num_user_rows, num_pos, num_ts_bounds, stride_ts_page, stride_row,
+    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr,
+    TS_ABS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    keys = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    hist = r >= num_user_rows
+    t = tl.maximum(r - num_user_rows, 0)               # history rows: row t % BLOCK_M of tile t // BLOCK_M
+    user = tl.where(hist, tl.load(tile_user_ptr + t // BLOCK_M, mask=hist, other=0), r)
+    q_start = tl.load(cu_q_ptr + user)
+    seqlen = tl.load(cu_q_ptr + user + 1) - q_start
+    n_hist = seqlen - tl.load(num_cand_ptr + user)
+    seg_row = tl.where(hist, tl.load(tile_row_ptr + t // BLOCK_M, mask=hist, other=0) + t % BLOCK_M, n_hist)
+    page_lo = tl.load(kv_indptr_ptr + user)
+    n_pages = tl.load(kv_indptr_ptr + user + 1) - page_lo
+    prefix_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + tl.load(kv_last_ptr + user), 0)
+    live = seg_row < tl.where(hist, n_hist, seqlen)    # a candidate row needs a candidate; padding rows are 0
+    q_pos = prefix_len + seg_row
+    ok = keys < tl.where(live, prefix_len + n_hist, 0)
+    cached = keys < prefix_len
+    t_q = 0
+    t_k = keys
+    if HAS_TS:
+        t_q = tl.load(ts_q_ptr + q_start + seg_row, mask=live, other=0)
+        page = tl.load(kv_indices_ptr + page_lo + keys // PAGE_SIZE, mask=ok & cached, other=0).to(tl.int64)
+        t_cached = tl.load(ts_cache_ptr + page * stride_ts_page + keys % PAGE_SIZE, mask=ok & cached, other=0)
+        t_new = tl.load(ts_q_ptr + q_start + (keys - prefix_len), mask=ok & (keys >= prefix_len), other=0)
+        t_k = tl.where(cached, t_cached, t_new)
+    bias = _rel_bias(q_pos, keys, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
+                     HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+    tl.store(out_ptr + r.to(tl.int64) * stride_row + keys, tl.where(ok, bias, 0.0), mask=keys < stride_row)
+
+
+def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int, max_key_len: int, block_n: int,
+               tables: tuple, biases: tuple, ts: tuple, *, page_size: int, ts_bits: int, ts_steps: int,
+               ts_table: bool, ts_abs: bool, device: torch.device) -> Optional[torch.Tensor]:
+    """One layer's bias table: ``user_rows`` candidate rows, then ``block_m`` history rows per history tile.
+
+    Parameters
+    ----------
+    user_rows : int
+        Candidate rows: the batch size ``B`` (row ``b`` is user ``b``'s), or 0 (no candidate tile).
+    hist_tiles : int32 Tensor [2, n], optional
+        The history tiles (a plan's ``hist_tiles``: user and first segment row of each) whose rows to add; None
+        for none.
+    block_m : int
+        Rows per history tile.
+    max_key_len : int
+        A bound on any user's prefix + new history (a plan's ``max_key_len``).
+    block_n : int
+        The largest key block a reader may use (:func:`table_width`).
+    tables : tuple of int32 Tensors
+        ``(kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates)``.
+    biases : (Tensor or None, Tensor or None)
+        ``pos_bias``/``ts_bias`` as fp32 (None: that term is off).
+    ts : (Tensor, Tensor, Tensor)
+        ``ts_cache``, ``ts_q`` and the bucket steps (stand-ins where ``ts_bias`` is None or the term does not need
+        them).
+
+    Returns
+    -------
+    Tensor [user_rows + n * block_m, table_width(max_key_len, block_n)] fp32, or None when it would be empty
+    """
+    hist_rows = 0 if hist_tiles is None else hist_tiles.shape[1] * block_m
+    rows = user_rows + hist_rows
+    if rows == 0 or max_key_len == 0:
+        return None
+    pos_bias, ts_bias = biases
+    ts_cache, ts_q, ts_bounds = ts
+    tiles = (hist_tiles[0], hist_tiles[1]) if hist_rows else (tables[3], tables[3])  # stand-ins: never read
+    width = table_width(max_key_len, block_n)
+    out = torch.empty((rows, width), dtype=torch.float32, device=device)
+    grid = (rows, C.cdiv(width, BLOCK))
+    with C.device_guard(device):  # an absent table's pointer is the other table (never read: its flag is off)
+        bias_table_kernel[grid](out, *tables, *tiles, ts_bias if pos_bias is None else pos_bias,
+                                pos_bias if ts_bias is None else ts_bias, ts_cache, ts_q, ts_bounds, user_rows,
+                                1 if pos_bias is None else pos_bias.numel(), ts_bounds.numel() if ts_table else 0,
+                                ts_cache.stride(0) if ts_cache.dim() == 2 else 0, width,
+                                PAGE_SIZE=page_size, BLOCK=BLOCK, BLOCK_M=block_m, HAS_POS=pos_bias is not None,
+                                HAS_TS=ts_bias is not None, TS_BITS=ts_bits, TS_STEPS=ts_steps, TS_TABLE=ts_table,
+                                TS_ABS=ts_abs)
+    return out
