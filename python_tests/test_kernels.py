@@ -666,10 +666,11 @@ def test_prefix_attention_bf16_cuda(mode, persistent):
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64)]
     args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
     kw = attention_kwargs(mode, bias, 128)
-    out = prefix_attention(**args, **kw, persistent=persistent)
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    outs = [prefix_attention(**args, **kw, persistent=persistent, bias_table_bytes=b) for b in (None, 0)]
+    for out in outs:  # history tiles reading the bias table, and computing it in the kernel
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 @gpu
