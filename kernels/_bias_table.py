@@ -12,9 +12,10 @@ A row holds the bias of one query position and time against each key ``j`` of it
 The attention kernel (:mod:`relaygr_engine.kernels._prefix_kernel`) then reads a bias as one load per key block (a
 ``[BLOCK_N]`` vector for a candidate tile, a ``[BLOCK_M, BLOCK_N]`` tile of contiguous rows for a history tile),
 with no key timestamps and no bucket arithmetic, instead of every (head, tile) program recomputing it. A row covers
-keys ``0 .. max_key_len`` and a key block more (:func:`table_width`), so readers load without masks; entries past
-its user's keys (and rows of padding tiles) are 0. Portable Triton (plain pointers and masks), as the attention
-kernel.
+a user's cached keys from column 0 and its new history keys from the next multiple of 16 (:func:`history_column`),
+so both start 16-byte aligned, and a key block more than the longest user needs (:func:`table_width`), so readers
+load without masks; other entries (and rows of padding tiles) are 0. Portable Triton (plain pointers and masks), as
+the attention kernel.
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ import triton.language as tl
 from . import _common as C
 from ._bias import _rel_bias
 
-__all__ = ["HIST_BIAS_TABLE_BYTES", "bias_table", "bias_table_kernel", "hist_rows_fit", "table_width"]
+__all__ = ["HIST_BIAS_TABLE_BYTES", "bias_table", "bias_table_kernel", "hist_rows_fit", "history_column",
+           "table_width"]
 
-BLOCK = 256  # keys per program
-ROW_ALIGN = 16  # a row's width is a multiple of this many entries (64 bytes: rows load as 16-byte vectors)
+BLOCK = 256  # columns per program
+# A row's width, and the column of a user's first new history key, are multiples of this many entries (64 bytes):
+# rows load as 16-byte vectors, from the cached keys and from the new history keys.
+ROW_ALIGN = tl.constexpr(16)
 
 
 # History rows are built when they take at most this many bytes: 32 MiB, so the table stays in an H100/H200's 50 MB
@@ -48,9 +52,18 @@ def hist_rows_fit(rows: int, max_key_len: int, block_n: int, budget: Optional[in
 
 
 def table_width(max_key_len: int, block_n: int) -> int:
-    """Entries per row: ``max_key_len`` keys plus ``block_n - 1`` (a reader's last key block may run past its
-    user's keys and needs no mask), rounded up to :data:`ROW_ALIGN`."""
-    return C.cdiv(max_key_len + block_n - 1, ROW_ALIGN) * ROW_ALIGN
+    """Entries per row: ``max_key_len`` keys, up to ``ROW_ALIGN - 1`` columns between a user's cached and new keys,
+    and ``block_n - 1`` more (a reader's last key block may run past its user's keys and needs no mask), rounded up
+    to :data:`ROW_ALIGN`."""
+    align = ROW_ALIGN.value
+    return C.cdiv(max_key_len + align - 1 + block_n - 1, align) * align
+
+
+@triton.jit
+def history_column(prefix_len):
+    """The column of a user's first new history key: its cached prefix length rounded up to :data:`ROW_ALIGN`
+    (its cached keys are columns ``0 .. prefix_len``, those between are 0)."""
+    return (prefix_len + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
 
 
 @triton.jit(do_not_specialize=["num_user_rows", "stride_row"])
@@ -65,7 +78,7 @@ def bias_table_kernel(
     TS_ABS: tl.constexpr,
 ):
     r = tl.program_id(0)
-    keys = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     hist = r >= num_user_rows
     t = tl.maximum(r - num_user_rows, 0)               # history rows: row t % BLOCK_M of tile t // BLOCK_M
     user = tl.where(hist, tl.load(tile_user_ptr + t // BLOCK_M, mask=hist, other=0), r)
@@ -78,8 +91,11 @@ def bias_table_kernel(
     prefix_len = tl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + tl.load(kv_last_ptr + user), 0)
     live = seg_row < tl.where(hist, n_hist, seqlen)    # a candidate row needs a candidate; padding rows are 0
     q_pos = prefix_len + seg_row
-    ok = keys < tl.where(live, prefix_len + n_hist, 0)
-    cached = keys < prefix_len
+    # Columns: the cached keys, 0-filled columns up to a multiple of 16, then the new history keys.
+    hist_col = history_column(prefix_len)
+    cached = cols < prefix_len
+    keys = tl.where(cols < hist_col, cols, prefix_len + (cols - hist_col))
+    ok = (cached | (cols >= hist_col)) & (keys < tl.where(live, prefix_len + n_hist, 0))
     t_q = 0
     t_k = keys
     if HAS_TS:
@@ -90,7 +106,7 @@ def bias_table_kernel(
         t_k = tl.where(cached, t_cached, t_new)
     bias = _rel_bias(q_pos, keys, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
                      HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
-    tl.store(out_ptr + r.to(tl.int64) * stride_row + keys, tl.where(ok, bias, 0.0), mask=keys < stride_row)
+    tl.store(out_ptr + r.to(tl.int64) * stride_row + cols, tl.where(ok, bias, 0.0), mask=cols < stride_row)
 
 
 def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int, max_key_len: int, block_n: int,

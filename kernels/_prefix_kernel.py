@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._bias import _rel_bias
+from ._bias_table import history_column
 
 # Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
 # multiple of 16 by default, so each new combination would compile a new binary (about a second, paid by the
@@ -52,9 +53,10 @@ def _row_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
 
 @triton.jit
 def _table_bias(tb_ptr, k_pos, offs_m, stride_tb, CAND_TILES: tl.constexpr):
-    """A tile's bias for keys ``k_pos [BLOCK_N]`` read from the bias table (:mod:`relaygr_engine.kernels._bias_table`):
-    a candidate tile's ``[1, BLOCK_N]`` from its user's row ``tb_ptr``, a history tile's ``[BLOCK_M, BLOCK_N]`` from
-    its rows ``tb_ptr + offs_m * stride_tb``. No mask: a row is ``BLOCK_N - 1`` entries wider than any user's keys
+    """A tile's bias for the keys in columns ``k_pos [BLOCK_N]`` of the bias table
+    (:mod:`relaygr_engine.kernels._bias_table`: a cached key's column is its index, a new history key's is
+    ``history_column(P) + i``): a candidate tile's ``[1, BLOCK_N]`` from its user's row ``tb_ptr``, a history
+    tile's ``[BLOCK_M, BLOCK_N]`` from its rows ``tb_ptr + offs_m * stride_tb``. No mask: a row is ``BLOCK_N - 1`` entries wider than any user's keys
     (:func:`~relaygr_engine.kernels._bias_table.table_width`), so a block's keys past the user's (hidden by the
     caller) read finite values of the same row."""
     if CAND_TILES:
@@ -329,7 +331,7 @@ def prefix_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             bias = 0.0
             if TABLE:
-                bias = _table_bias(tb_ptr, prefix_len + idx, offs_m, stride_tb, CAND_TILES)
+                bias = _table_bias(tb_ptr, history_column(prefix_len) + idx, offs_m, stride_tb, CAND_TILES)
             elif BIAS:
                 bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
                                  num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)

@@ -203,8 +203,9 @@ def test_history_tiles_read_the_bias_table_within_its_budget(monkeypatch, time_b
         built.append((user_rows, None if hist_tiles is None else hist_tiles.shape[1])),
         real(user_rows, hist_tiles, *a, **k))[1])
     # history tiles of 16 rows: user 0 has 2, users 1 and 2 one each; rows as wide as the plan's bound on keys,
-    # 45 + 29 = 74 (it counts the candidate rows too), plus a key block of 16 less one, rounded up to 96 entries
-    need = 4 * 16 * 4 * 96
+    # 45 + 29 = 74 (it counts the candidate rows too), plus 15 columns that align the new keys and a key block of 16
+    # less one, rounded up to 112 entries
+    need = 4 * 16 * 4 * 112
     outs = {}
     for budget in (None, need, need - 1, 0):
         for splits in (1, 3):
