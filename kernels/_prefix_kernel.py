@@ -56,9 +56,9 @@ def _table_bias(tb_ptr, k_pos, offs_m, stride_tb, CAND_TILES: tl.constexpr):
     """A tile's bias for the keys in columns ``k_pos [BLOCK_N]`` of the bias table
     (:mod:`relaygr_engine.kernels._bias_table`: a cached key's column is its index, a new history key's is
     ``history_column(P) + i``): a candidate tile's ``[1, BLOCK_N]`` from its user's row ``tb_ptr``, a history
-    tile's ``[BLOCK_M, BLOCK_N]`` from its rows ``tb_ptr + offs_m * stride_tb``. No mask: a row is ``BLOCK_N - 1`` entries wider than any user's keys
-    (:func:`~relaygr_engine.kernels._bias_table.table_width`), so a block's keys past the user's (hidden by the
-    caller) read finite values of the same row."""
+    tile's ``[BLOCK_M, BLOCK_N]`` from its rows ``tb_ptr + offs_m * stride_tb``. No mask: a row is ``BLOCK_N - 1``
+    entries wider than any user's columns (:func:`~relaygr_engine.kernels._bias_table.table_width`), so a block's
+    columns past the user's keys (hidden by the caller) read finite values of the same row."""
     if CAND_TILES:
         return tl.load(tb_ptr + k_pos[None, :])
     else:
