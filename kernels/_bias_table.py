@@ -29,7 +29,7 @@ from . import _common as C
 from ._bias import _rel_bias
 
 __all__ = ["HIST_BIAS_TABLE_BYTES", "bias_table", "bias_table_kernel", "hist_rows_fit", "history_column",
-           "table_width"]
+           "history_rows", "table_width"]
 
 BLOCK = 256  # columns per program
 # A row's width, and the column of a user's first new history key, are multiples of this many entries (64 bytes):
@@ -44,10 +44,17 @@ ROW_ALIGN = tl.constexpr(16)
 HIST_BIAS_TABLE_BYTES = 32 << 20
 
 
-def hist_rows_fit(rows: int, max_key_len: int, block_n: int, budget: Optional[int] = None) -> bool:
-    """Whether ``rows`` history rows (a plan's history tiles times their rows) fit ``budget`` bytes (None:
+def history_rows(hist_tiles: Optional[torch.Tensor], block_m: int) -> int:
+    """Table rows of the history tiles ``hist_tiles`` (int32 ``[2, n]``, None for none) of ``block_m`` rows."""
+    return 0 if hist_tiles is None else hist_tiles.shape[1] * block_m
+
+
+def hist_rows_fit(hist_tiles: torch.Tensor, block_m: int, max_key_len: int, block_n: int,
+                  budget: Optional[int] = None) -> bool:
+    """Whether the rows of the history tiles ``hist_tiles`` fit ``budget`` bytes (None:
     :data:`HIST_BIAS_TABLE_BYTES`)."""
     budget = HIST_BIAS_TABLE_BYTES if budget is None else budget
+    rows = history_rows(hist_tiles, block_m)
     return rows > 0 and rows * table_width(max_key_len, block_n) * 4 <= budget
 
 
@@ -139,7 +146,7 @@ def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int,
     -------
     Tensor [user_rows + n * block_m, table_width(max_key_len, block_n)] fp32, or None when it would be empty
     """
-    hist_rows = 0 if hist_tiles is None else hist_tiles.shape[1] * block_m
+    hist_rows = history_rows(hist_tiles, block_m)
     rows = user_rows + hist_rows
     if rows == 0 or max_key_len == 0:
         return None

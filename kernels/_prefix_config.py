@@ -42,6 +42,7 @@ CUDA_HIST_BLOCK_M = 64
 CUDA_NUM_WARPS = 8
 CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_stages=s) for bn in (32, 64)
                 for s in (2, 3)]
+CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 # Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
 SPLIT_ALIGN = 128
 # No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),

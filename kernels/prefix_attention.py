@@ -38,7 +38,7 @@ from .._host import ship
 from ..config import AttentionMode, KVDtype, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_config import (CUDA_CONFIGS, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
+from ._prefix_config import (CUDA_MAX_BLOCK_N, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
                              reset_autotuning)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
@@ -337,8 +337,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     table, user_rows, hist_table = None, 0, False
     if hstu and (has_pos or has_ts):
         user_rows = plan.batch if plan.cand_tiles.shape[1] else 0
-        max_block_n = cfg.block_n or max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # (autotuned: any of these)
-        hist_table = hist_rows_fit(plan.hist_tiles.shape[1] * plan.hist_block_m, plan.max_key_len, max_block_n,
+        max_block_n = cfg.block_n or CUDA_MAX_BLOCK_N  # (autotuned: any of CUDA_CONFIGS)
+        hist_table = hist_rows_fit(plan.hist_tiles, plan.hist_block_m, plan.max_key_len, max_block_n,
                                    bias_table_bytes)
         table = bias_table(
             user_rows, plan.hist_tiles if hist_table else None, plan.hist_block_m, plan.max_key_len, max_block_n,

@@ -228,8 +228,8 @@ def _bias_ratios(rows: list[Build]) -> dict:
     tile kind (``hist``: history tiles reading the bias table, ``hist_inkernel``: computing it), and per head dim
     for candidate tiles (``bias_instr_ratio_cand_d256``)."""
     plain = {dataclasses.replace(b.config, mode="hstu"): b for b in rows if b.config.mode == "hstu-nobias"}
-    pairs = [(b, plain[dataclasses.replace(b.config, mode="hstu")]) for b in rows
-             if b.config.mode in BIASED and dataclasses.replace(b.config, mode="hstu") in plain]
+    pairs = [(b, p) for b in rows if b.config.mode in BIASED
+             for p in [plain.get(dataclasses.replace(b.config, mode="hstu"))] if p is not None]
     groups = {"cand": [x for x in pairs if x[0].config.cand_tiles],
               "hist": [x for x in pairs if not x[0].config.cand_tiles and x[0].config.mode == "hstu"],
               "hist_inkernel": [x for x in pairs if x[0].config.mode == "hstu-inkernel"]}
