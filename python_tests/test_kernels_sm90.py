@@ -1,0 +1,159 @@
+"""The kernels compiled for sm_90 (H100/H200) without a GPU: every kernel lowers to PTX and a cubin in Triton's
+portable subset, ``relaygr bench ptxas`` reports registers, spills, shared memory and the SASS instruction mix, and
+the CUDA autotune set keeps the configs that report found spill-free. The compiles run in fresh processes (this one
+may hold triton in interpreter mode)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+
+# ------------------------------------------------------------------------------------------------ CUDA compile
+COMPILE_FOR_SM90 = r"""
+import warnings
+warnings.filterwarnings("ignore")
+from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
+from relaygr_engine.kernels import _bias_table, kv_pack, kv_write, prefix_attention as p
+
+def check(k, name):
+    ttir = k.asm["ttir"]
+    assert "make_tensor_ptr" not in ttir and "tt.advance" not in ttir and "descriptor" not in ttir, name
+    assert "cubin" in k.asm and k.asm["ptx"], name
+    return k
+
+for persistent in (False, True):
+    k = check(compile_attention("softmax", 128, 128, 64, num_warps=8, num_stages=2, persistent=persistent), "softmax")
+    assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
+    assert "cp.async" in k.asm["ptx"]  # K/V blocks copied asynchronously into shared memory (pipelined)
+    for cand in (False, True):
+        check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent,
+                                cand_tiles=cand), "hstu")
+    check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=2, persistent=persistent,
+                            cand_tiles=False, hist_table=False), "hstu, history bias in the kernel")
+check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
+regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
+assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
+check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
+                                                      ts_ptr="*i64", ts_cache_ptr="*i64"),
+                     dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
+check(compile_kernel(_bias_table.bias_table_kernel,
+                     dict(out_ptr="*fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
+                          ts_q_ptr="*i64", ts_bounds_ptr="*i64", **{n: "*i32" for n in (
+                              "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
+                              "tile_user_ptr", "tile_row_ptr")}),
+                     dict(PAGE_SIZE=64, BLOCK=256, BLOCK_M=64, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
+                          TS_TABLE=False, TS_ABS=False)), "bias_table")
+for pack in (True, False):
+    check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
+                         dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
+# per-batch integers are not specialised (a new batch shape must not compile a new binary)
+for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q"}),
+                 (_bias_table.bias_table_kernel, {"num_user_rows", "stride_row"}),
+                 (kv_write._kv_write_kernel, {"num_tokens", "num_work", "num_programs"}),
+                 (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"})):
+    assert {q.name for q in k.params if q.do_not_specialize} == names, k
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_sm90_without_a_gpu():
+    """The compiled path (not the interpreter): every kernel lowers to PTX/cubin for sm_90 with bf16 and fp32
+    inputs, with no block pointers or tensor descriptors (the portable subset). Runs in a fresh process, since this
+    one may hold triton in interpreter mode."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
+    """``relaygr bench ptxas`` compiles a config for sm_90 without a GPU and reports ptxas's resource numbers."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--modes", "softmax", "--head-dims", "64",
+           "--block-m", "64", "--block-n", "32", "--warps", "4", "--stages", "2", "--json", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT arch=sm_90 configs=1 "), last
+    (row,) = json.loads(path.read_text())["rows"]
+    assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
+    assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
+    bad = subprocess.run(cmd[:5] + ["--modes", "flash"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--modes must name" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path):
+    """``relaygr bench ptxas --defaults``: exactly the configs the CUDA launcher can pick (rows per tile kind from
+    ``pick_config``, autotune configs after ``prune_configs``), each spill-free, with its SASS instruction mix: tensor
+    cores and asynchronous K/V copies in the key loop."""
+    import importlib.util
+    import subprocess
+
+    from relaygr_engine.kernels import _prefix_config as K
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
+           "--json", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
+    rows = json.loads(path.read_text())["rows"]
+    biased = ("hstu", "hstu-inkernel")
+    expect = {(m, c, len(K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=64, HSTU=m != "softmax", CAND_TILES=c,
+                                         HAS_POS=m in biased, HAS_TS=m in biased, HIST_TABLE=m == "hstu")))
+              for m in ("softmax", "hstu", "hstu-inkernel", "hstu-nobias") for c in (False, True)
+              if not (m == "hstu-inkernel" and c)}  # candidate tiles always read the bias table
+    got = {(r["config"]["mode"], r["config"]["cand_tiles"]) for r in rows}
+    assert got == {(m, c) for m, c, _ in expect} and len(rows) == sum(n for *_, n in expect)
+    assert int(result["default_configs"]) == sum(n for m, _, n in expect if m != "hstu-nobias")
+    assert result["default_spilling"] == "0"
+    for kind in ("cand", "hist", "hist_inkernel"):
+        assert float(result[f"bias_instr_ratio_{kind}"]) > 1.0, kind
+    # reading the bias table costs a history tile less than computing it
+    assert float(result["bias_loop_ratio_hist"]) < float(result["bias_loop_ratio_hist_inkernel"])
+    for r in rows:
+        assert r["config"]["block_m"] == (K.CUDA_BLOCK_M if r["config"]["cand_tiles"] else K.CUDA_HIST_BLOCK_M)
+        assert r["spill_store_bytes"] == 0 and r["fits"] and r["loop"]["mma"] > 0 and r["loop"]["async_copies"] > 0
+
+
+def test_prune_configs_keeps_the_rules_the_static_report_found():
+    """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): head dim 256 keeps 32-key
+    blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their bias in the
+    kernel 2 (reading it from the table, both); head dim 64 keeps all."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    def kept(**meta):
+        return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta))
+
+    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 2), (32, 3), (64, 2),
+                                                                                        (64, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]
+    assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == [(32, 2), (32, 3),
+                                                                                           (64, 2), (64, 3)]
+    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)
