@@ -79,7 +79,7 @@ def bias_table_kernel(
     kv_indptr_ptr, kv_indices_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
     tile_user_ptr, tile_row_ptr,                      # the history tiles (int32 [n])
     pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
-    num_user_rows, num_pos, num_ts_bounds, stride_ts_page, stride_row,
+    num_user_rows, num_pos, num_ts_bounds, stride_ts_page, stride_row, scale,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr,
     TS_ABS: tl.constexpr,
@@ -113,12 +113,12 @@ def bias_table_kernel(
         t_k = tl.where(cached, t_cached, t_new)
     bias = _rel_bias(q_pos, keys, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
                      HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
-    tl.store(out_ptr + r.to(tl.int64) * stride_row + cols, tl.where(ok, bias, 0.0), mask=cols < stride_row)
+    tl.store(out_ptr + r.to(tl.int64) * stride_row + cols, tl.where(ok, bias * scale, 0.0), mask=cols < stride_row)
 
 
 def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int, max_key_len: int, block_n: int,
                tables: tuple, biases: tuple, ts: tuple, *, page_size: int, ts_bits: int, ts_steps: int,
-               ts_table: bool, ts_abs: bool, device: torch.device) -> Optional[torch.Tensor]:
+               ts_table: bool, ts_abs: bool, device: torch.device, scale: float = 1.0) -> Optional[torch.Tensor]:
     """One layer's bias table: ``user_rows`` candidate rows, then ``block_m`` history rows per history tile.
 
     Parameters
@@ -141,6 +141,8 @@ def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int,
     ts : (Tensor, Tensor, Tensor)
         ``ts_cache``, ``ts_q`` and the bucket steps (stand-ins where ``ts_bias`` is None or the term does not need
         them).
+    scale : float
+        Every entry is the bias times this (the attention kernel's fast SiLU takes half of it).
 
     Returns
     -------
@@ -160,7 +162,7 @@ def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int,
         bias_table_kernel[grid](out, *tables, *tiles, ts_bias if pos_bias is None else pos_bias,
                                 pos_bias if ts_bias is None else ts_bias, ts_cache, ts_q, ts_bounds, user_rows,
                                 1 if pos_bias is None else pos_bias.numel(), ts_bounds.numel() if ts_table else 0,
-                                ts_cache.stride(0) if ts_cache.dim() == 2 else 0, width,
+                                ts_cache.stride(0) if ts_cache.dim() == 2 else 0, width, scale,
                                 PAGE_SIZE=page_size, BLOCK=BLOCK, BLOCK_M=block_m, HAS_POS=pos_bias is not None,
                                 HAS_TS=ts_bias is not None, TS_BITS=ts_bits, TS_STEPS=ts_steps, TS_TABLE=ts_table,
                                 TS_ABS=ts_abs)

@@ -32,16 +32,20 @@ INTERPRETER_BLOCK_N = 32
 # NPU (triton-ascend): one fixed config sized for the ~192 KB unified buffer; no autotuning.
 NPU_BLOCK_M = 64
 NPU_BLOCK_N = 64
-# CUDA, 8 warps (two warp groups). Candidate tiles of 128 rows: each warp group owns 64 rows (one wgmma M on sm_90),
-# so a key block's K/V serve 128 candidates and no score is computed twice (at 64 rows over 8 warps both groups
-# compute the same scores). History tiles of 64 rows: new history is short, and the per-(row, key) bias of a
-# 128-row tile spills at head dim 256. BLOCK_N and stages are autotuned over the configs that compile spill-free
-# (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16; benchmarks/results/).
+# CUDA. Candidate tiles of 128 rows on 8 warps (two warp groups): each group owns 64 rows (one wgmma M on sm_90), so
+# a key block's K/V serve 128 candidates and no score is computed twice. History tiles of 64 rows: new history is
+# short, and the per-(row, key) bias of a 128-row tile spills at head dim 256. On 8 warps both groups of a 64-row
+# tile compute the same scores (``bench ptxas``: two special-function instructions per score where one suffices);
+# on 4 warps (one group) none is repeated, but its registers hold twice the state, which spills above head dim 128
+# (and at 128 with 64-key blocks when the bias is computed in the kernel). So history tiles autotune over both
+# where 4 warps compile spill-free, candidate tiles over 8. BLOCK_N and stages are autotuned over the configs that
+# compile spill-free (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16;
+# benchmarks/results/).
 CUDA_BLOCK_M = 128
 CUDA_HIST_BLOCK_M = 64
 CUDA_NUM_WARPS = 8
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=CUDA_NUM_WARPS, num_stages=s) for bn in (32, 64)
-                for s in (2, 3)]
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for w in (CUDA_NUM_WARPS, 4)
+                for bn in (32, 64) for s in (2, 3)]
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 # Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
 SPLIT_ALIGN = 128
@@ -49,22 +53,23 @@ SPLIT_ALIGN = 128
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
 AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "HIST_TABLE",
-                 "PERSISTENT", "SPLIT", "KV8"]
+                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU"]
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16, 8 warps):
-    ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel
-    (no ``HIST_TABLE``) ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a
-    bias (their table row read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS`
-    is kept."""
+    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16):
+    candidate tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above
+    head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel (no ``HIST_TABLE``)
+    ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a bias (their table row
+    read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS` is kept."""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
     biased = hstu and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
     row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
     cand_bias = biased and cand
     kept = [c for c in configs
-            if (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
+            if (c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and meta.get("BLOCK_M", 64) <= 64)
+            and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128))]
     return kept or configs[:1]

@@ -67,20 +67,49 @@ def _table_bias(tb_ptr, k_pos, offs_m, stride_tb, CAND_TILES: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------ key blocks
 @triton.jit
+def _tanh_approx(x):
+    """``tanh(x)`` in one special-function instruction (PTX ``tanh.approx.f32``, sm_75+; relative error about
+    2^-11): CUDA only."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _silu_bias(bias, FAST_SILU: tl.constexpr):
+    """A bias computed in the kernel, in the units :func:`_attend` takes: halved with ``FAST_SILU`` (the bias table
+    is built halved, so its reads need nothing)."""
+    if FAST_SILU:
+        return bias * 0.5
+    return bias
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, v_scale,
             HSTU: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            V_SCALED: tl.constexpr):
+            V_SCALED: tl.constexpr, FAST_SILU: tl.constexpr):
     """One key block's scores ``s = q @ k.T`` ``[BLOCK_M, N]`` and values ``v [N, BLOCK_D]`` into the running state:
     ``acc [BLOCK_M, BLOCK_D]``, softmax's ``m_i``/``l_i [BLOCK_M]``; with ``V_SCALED`` value ``j`` is
     ``v_scale[j] * v[j]`` (8-bit pages: the scale rides on the weights). (The caller computes the bias after the
-    score product, so that its loads and integer work overlap the tensor cores.)"""
+    score product, so that its loads and integer work overlap the tensor cores.)
+
+    HSTU's ``SiLU(x) = x * sigmoid(x)`` takes, per score, an exp2 and a reciprocal (two special-function
+    instructions, whose unit runs at 1/16 of the tensor cores' rate per element on sm_90, and a division's range
+    checks); with ``FAST_SILU`` (CUDA, 16-bit inputs) it is ``h + h * tanh(h)`` with ``h = x / 2``: one
+    approximate tanh and two FMAs (absolute error about ``|x| * 2^-12``, an eighth of the rounding of a 16-bit
+    weight of that size). ``bias`` then comes halved (:func:`_silu_bias`)."""
     LOG2E: tl.constexpr = 1.4426950408889634
     if HSTU:
-        if HAS_BIAS:
-            s = s * scale + bias
+        if FAST_SILU:
+            if HAS_BIAS:
+                h = s * (0.5 * scale) + bias
+            else:
+                h = s * (0.5 * scale)
+            p = h + h * _tanh_approx(h)
         else:
-            s = s * scale
-        p = tl.fdiv(s, 1.0 + tl.exp2(s * -LOG2E))  # SiLU: s * sigmoid(s), one approximate reciprocal
+            if HAS_BIAS:
+                s = s * scale + bias
+            else:
+                s = s * scale
+            p = tl.fdiv(s, 1.0 + tl.exp2(s * -LOG2E))  # SiLU: s * sigmoid(s), one approximate reciprocal
         if MASKED:
             p = tl.where(visible, p, 0.0)
         if V_SCALED:
@@ -191,7 +220,8 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
-                TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, MASKED: tl.constexpr):
+                TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, FAST_SILU: tl.constexpr,
+                MASKED: tl.constexpr):
     """One block of cached keys ``start + offs_n`` (in ``page``) into the running state; with ``MASKED`` the keys
     ``>= hi`` are hidden (the user's last block). With ``TABLE`` the tile reads its bias from the bias table at
     ``tb_ptr`` (:func:`_table_bias`), so it needs no key timestamps."""
@@ -212,10 +242,12 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
         if TABLE:
             bias = _table_bias(tb_ptr, start + offs_n, offs_m, stride_tb, CAND_TILES)
         else:
-            bias = _row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                             num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+            bias = _silu_bias(_row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                        num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
+                                        TS_ABS), FAST_SILU)
     visible = (start + offs_n < hi)[None, :] if MASKED else 0
-    return _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, MASKED, DOT_PRECISION, KV8)
+    return _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, MASKED, DOT_PRECISION, KV8,
+                   FAST_SILU)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -239,7 +271,7 @@ def prefix_attention_kernel(
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
     HIST_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
-    KV8: tl.constexpr,
+    KV8: tl.constexpr, FAST_SILU: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
@@ -306,7 +338,7 @@ def prefix_attention_kernel(
                 kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, False)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
@@ -314,7 +346,7 @@ def prefix_attention_kernel(
                 kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, True)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, True)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)
@@ -333,14 +365,15 @@ def prefix_attention_kernel(
             if TABLE:
                 bias = _table_bias(tb_ptr, history_column(prefix_len) + idx, offs_m, stride_tb, CAND_TILES)
             elif BIAS:
-                bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
-                                 num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+                bias = _silu_bias(_row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr,
+                                            ts_bounds_ptr, num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS,
+                                            TS_STEPS, TS_TABLE, TS_ABS), FAST_SILU)
             if CAND_TILES:
                 visible = k_ok[None, :]
             else:
                 visible = k_ok[None, :] & (idx[None, :] <= rows[:, None])
             acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS, True,
-                                    DOT_PRECISION, False)
+                                    DOT_PRECISION, False, FAST_SILU)
 
         # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
         if CAND_TILES:
@@ -351,11 +384,12 @@ def prefix_attention_kernel(
                 bias = 0.0
                 if BIAS:  # distance 0, time difference 0: one scalar
                     t_0 = q_start.to(tl.int64) * 0
-                    bias = _rel_bias(q_pos, q_pos, t_0, t_0, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                                     num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+                    bias = _silu_bias(_rel_bias(q_pos, q_pos, t_0, t_0, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                                num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
+                                                TS_TABLE, TS_ABS), FAST_SILU)
                 visible = (offs_m[:, None] == offs_m[None, :]) & row_ok[None, :]
                 acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
-                                        True, DOT_PRECISION, False)
+                                        True, DOT_PRECISION, False, FAST_SILU)
 
         if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
             ws_rows = (split * total_q + g_rows) * num_heads + head

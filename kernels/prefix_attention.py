@@ -66,6 +66,12 @@ def _dot_precision(dtype: torch.dtype, allow_tf32: bool):
     return "tf32" if allow_tf32 else "ieee"
 
 
+def _fast_silu(device: torch.device, dtype: torch.dtype) -> bool:
+    """HSTU's SiLU through one approximate tanh (``FAST_SILU``): CUDA with 16-bit inputs, whose weights' rounding
+    dwarfs its error; fp32 keeps the exact form (and the interpreter and triton-ascend have no PTX)."""
+    return device.type == "cuda" and dtype != torch.float32
+
+
 def _ts_bits(num_buckets: int) -> int:
     """TS_BITS for ``bucket = min(bit_length(d), num_buckets - 1)`` of int64 deltas (the log2 buckets need no
     search steps: the kernel reads the bit length off a float's exponent)."""
@@ -335,6 +341,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     # HSTU's bias once per layer (kernels._bias_table): a row per user for the candidate tiles and, within the
     # budget, a row per history tile row; history tiles without rows compute theirs in the kernel.
     table, user_rows, hist_table = None, 0, False
+    fast_silu = hstu and _fast_silu(device, q.dtype)
     if hstu and (has_pos or has_ts):
         user_rows = plan.batch if plan.cand_tiles.shape[1] else 0
         max_block_n = cfg.block_n or CUDA_MAX_BLOCK_N  # (autotuned: any of CUDA_CONFIGS)
@@ -346,7 +353,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
             (ts_cache if has_ts and ts_cache is not None else ts_q if has_ts else dummy,
              ts_q if has_ts else dummy, ts_bounds if ts_table else dummy),
             page_size=page_size, ts_bits=ts_bits, ts_steps=ts_steps, ts_table=ts_table,
-            ts_abs=ts_table and ts_fn.absolute, device=device)
+            ts_abs=ts_table and ts_fn.absolute, device=device, scale=0.5 if fast_silu else 1.0)
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
     pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache
     scales = kv_cache.view(-1).view(torch.float32) if kd.quantized else q
@@ -365,7 +372,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
                 DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1,
-                KV8=kd.quantized)
+                KV8=kd.quantized, FAST_SILU=fast_silu)
     if cfg.block_n is None:
         kernel, extra = autotuned_kernel(), {}
     else:

@@ -21,6 +21,9 @@ if not CUDA and "triton" not in sys.modules:
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from relaygr_engine.kernels import _common  # noqa: E402
 from relaygr_engine.kernels.kv_pack import kv_pack, kv_unpack, packed_shape  # noqa: E402
 from relaygr_engine.kernels.kv_write import kv_write  # noqa: E402
@@ -215,6 +218,36 @@ def test_history_tiles_read_the_bias_table_within_its_budget(monkeypatch, time_b
             assert built == [(4, 4 if budget is None or budget >= need else None)], (budget, built)
     for key, out in outs.items():
         assert torch.equal(out, outs[None, key[1]]), key
+
+
+@triton.jit
+def _tanh_exact(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _tanh_wrong(x):
+    return x * 0.0
+
+
+@needs_interpreter
+def test_fast_silu_form_is_exact_with_an_exact_tanh(monkeypatch):
+    """CUDA's 16-bit path (``FAST_SILU``: ``SiLU(x) = h + h tanh(h)``, ``h = x / 2``, with the bias halved in the
+    table, in the kernel's own bias terms and in a candidate's self term) gives the reference's result when its
+    PTX tanh is swapped for an exact one: every bias path (table, in-kernel, split) agrees within 1e-4. A wrong tanh
+    fails it, so the fast form is the one that ran."""
+    from relaygr_engine.kernels import _prefix_kernel as K, prefix_attention as pa
+
+    monkeypatch.setattr(pa, "_fast_silu", lambda device, dtype: True)
+    args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, 32, seed=5)
+    kw = attention_kwargs("hstu", bias, 32)
+    monkeypatch.setattr(K, "_tanh_approx", _tanh_exact)
+    for budget, splits in ((None, 1), (0, 1), (None, 3)):
+        check_attention(args, kw, persistent=splits == 3, block_m=16, block_n=16, splits=splits,
+                        bias_table_bytes=budget)
+    monkeypatch.setattr(K, "_tanh_approx", _tanh_wrong)
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, block_m=16, block_n=16)
 
 
 @needs_interpreter

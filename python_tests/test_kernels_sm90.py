@@ -31,18 +31,20 @@ for persistent in (False, True):
     assert "wgmma" in k.asm["ptx"]   # Hopper tensor cores
     assert "cp.async" in k.asm["ptx"]  # K/V blocks copied asynchronously into shared memory (pipelined)
     for cand in (False, True):
-        check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent,
-                                cand_tiles=cand), "hstu")
+        k = check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=3, persistent=persistent,
+                                    cand_tiles=cand), "hstu")
+        assert "tanh.approx.f32" in k.asm["ptx"]  # bf16: SiLU through one approximate tanh
     check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=2, persistent=persistent,
                             cand_tiles=False, hist_table=False), "hstu, history bias in the kernel")
-check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
+k = check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
+assert "tanh.approx" not in k.asm["ptx"]  # fp32 keeps the exact SiLU
 regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
 assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
 check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
                                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
                      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
 check(compile_kernel(_bias_table.bias_table_kernel,
-                     dict(out_ptr="*fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
+                     dict(out_ptr="*fp32", scale="fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
                           ts_q_ptr="*i64", ts_bounds_ptr="*i64", **{n: "*i32" for n in (
                               "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                               "tile_user_ptr", "tile_row_ptr")}),
@@ -131,6 +133,12 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     assert result["default_spilling"] == "0"
     for kind in ("cand", "hist", "hist_inkernel"):
         assert float(result[f"bias_instr_ratio_{kind}"]) > 1.0, kind
+    # one special-function instruction per HSTU score (the approximate tanh), where no warp group repeats a score
+    assert float(result["mufu_per_score_hstu_cand"]) == 1.0
+    assert float(result["mufu_per_score_softmax_cand"]) > 1.0  # its exp2, plus each row's rescale
+    hist4 = [r for r in rows if not r["config"]["cand_tiles"] and r["config"]["num_warps"] == 4]
+    assert hist4 and all(r["loop"]["special"] * 128 == r["config"]["block_m"] * r["config"]["block_n"]
+                         for r in hist4 if r["config"]["mode"].startswith("hstu"))
     # reading the bias table costs a history tile less than computing it
     assert float(result["bias_loop_ratio_hist"]) < float(result["bias_loop_ratio_hist_inkernel"])
     for r in rows:
@@ -139,21 +147,27 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
 
 
 def test_prune_configs_keeps_the_rules_the_static_report_found():
-    """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): head dim 256 keeps 32-key
-    blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their bias in the
-    kernel 2 (reading it from the table, both); head dim 64 keeps all."""
+    """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): candidate tiles on 8 warps;
+    history tiles of 64 rows also on 4 (one warp group: no score computed twice) up to head dim 128; head dim 256
+    keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
+    bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(**meta):
-        return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta))
+    def kept(warps=8, **meta):
+        return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta)
+                      if c.num_warps == warps)
 
-    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 2), (32, 3), (64, 2),
-                                                                                        (64, 3)]
+    all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
+    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
+    assert kept(4, HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == []
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True) == [(32, 2), (32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == [(32, 2), (32, 3)]
-    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
-    assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == [(32, 2), (32, 3),
-                                                                                           (64, 2), (64, 3)]
+    assert kept(4, HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == []
+    for warps in (8, 4):
+        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
+        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == all4
+        assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == all4
+    assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # a 128-row tile needs 8 warps
     assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)

@@ -6,7 +6,8 @@ Triton for an NVIDIA target (default ``sm_90``, the H100/H200), specialised as a
 shape-fixed strides known multiples of 16), and assembled by the ptxas Triton ships, whose ``-v`` report gives the
 registers per thread and the bytes spilled to local memory; Triton's metadata gives the shared memory a program asks
 for; ``nvdisasm`` gives the SASS instruction mix (:mod:`relaygr_engine.bench.sass`): all instructions, tensor-core
-MMAs, synchronous global loads, asynchronous copies and shuffles, of the whole kernel and of its key loop. These are
+MMAs, synchronous global loads, asynchronous copies, shuffles and special-function instructions (``mufu``), of the
+whole kernel and of its key loop. These are
 static facts of the compiled code, not timings: a config that spills pays local-memory traffic in its inner loop,
 and one whose shared memory exceeds the target's per-block limit cannot launch.
 
@@ -110,6 +111,13 @@ def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_war
                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def torch_dtype(dtype: str):
+    """The torch dtype of a Triton type name (``"bf16"``, ``"fp16"``, ``"fp32"``)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
 def attention_types(pointer: str) -> dict:
     """Argument types of ``_prefix_attention_kernel`` with floating tensors of type ``pointer`` (e.g. ``"*bf16"``)."""
     types = {n: pointer for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_ptr")}
@@ -142,6 +150,8 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
     (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``). History tiles read their bias
     from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the kernel."""
+    import torch
+
     from relaygr_engine import quant
     from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels import _common as C
@@ -156,7 +166,8 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       TS_STEPS=0, TS_TABLE=False, TS_ABS=False,
                       HIST_TABLE=biased and hist_table and not cand_tiles,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
-                      KV8=KVDtype(kv_dtype).quantized)
+                      KV8=KVDtype(kv_dtype).quantized,
+                      FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)))
     types = attention_types("*" + dtype)
     if constexprs["KV8"]:
         types["kv_ptr"] = "*i8" if kv_dtype == "int8" else "*fp8e4nv"
@@ -209,17 +220,16 @@ def default_grid(head_dims, modes=MODES, dtype="bf16") -> list[Config]:
 
     from relaygr_engine.kernels import _prefix_config as K
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     grid = []
     for mode, d, cand in itertools.product(modes, head_dims, (False, True)):
         if mode == "hstu-inkernel" and cand:
             continue
-        pick = K.pick_config(torch.device("cuda"), torch_dtype, d)
+        pick = K.pick_config(torch.device("cuda"), torch_dtype(dtype), d)
         biased = mode in BIASED
-        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, HSTU=mode.startswith("hstu"), CAND_TILES=cand,
-                               HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu")
-        grid += [Config(mode, d, cand, pick.block_m if cand else pick.hist_block_m, c.kwargs["BLOCK_N"], c.num_warps,
-                        c.num_stages) for c in kept]
+        rows = pick.block_m if cand else pick.hist_block_m
+        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
+                               CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu")
+        grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
     return grid
 
 
@@ -243,13 +253,28 @@ def _bias_ratios(rows: list[Build]) -> dict:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def _special_per_score(rows: list[Build]) -> dict:
+    """Special-function instructions (exp2, reciprocal, tanh) per score of the key loop, max over the configs of
+    each mode and tile kind: the loop's ``mufu`` per thread times the threads, over the block's scores
+    ``BLOCK_M * BLOCK_N``. Softmax needs one (its exp2, plus one per row for the rescale); HSTU's SiLU two (exp2
+    and a reciprocal), or one through an approximate tanh; a config whose warp groups compute the same scores
+    counts each time."""
+    out = {}
+    for mode, cand in itertools.product(MODES, (True, False)):
+        per = [b.loop.special * 32 * b.config.num_warps / (b.config.block_m * b.config.block_n)
+               for b in rows if b.config.mode == mode and b.config.cand_tiles == cand and b.loop.mma]
+        if per:
+            out[f"mufu_per_score_{mode.replace('-', '_')}_{'cand' if cand else 'hist'}"] = round(max(per), 3)
+    return out
+
+
 def _row(b: Build) -> str:
     c, w, lp = b.config, b.sass, b.loop
     return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
             f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
-            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5}")
+            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -314,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
-          f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5}")
+          f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []
     for cfg in grid:
         rows.append(build(cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch))
@@ -332,6 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
                       default_over_smem=sum(not b.fits for b in default))
     fields.update(_bias_ratios(rows))
+    fields.update(_special_per_score(rows))
     fields["kv_dtype"] = opts.kv_dtype
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()) + f" triton={triton.__version__}")
     return 0

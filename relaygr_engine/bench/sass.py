@@ -1,7 +1,9 @@
 """The instruction mix of a compiled kernel, read from its SASS with ``nvdisasm`` (shipped in Triton's wheel).
 
 Static facts, no GPU: how many instructions the kernel has, how many are tensor-core MMAs, synchronous global loads
-or asynchronous copies, shuffles, and the same for its key loop (the loop body with the most MMAs, where a paged
+or asynchronous copies, shuffles, special-function instructions (``MUFU``: exp2, reciprocal, tanh; a unit with a
+sixteenth of the tensor cores' per-element rate, which attention's pointwise work can saturate), and the same for its
+key loop (the loop body with the most MMAs, where a paged
 attention kernel spends its time). ``relaygr bench ptxas`` prints them per config.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ MMA_OPS = ("HGMMA", "HMMA", "IMMA", "QGMMA")     # warp-group (sm_90) and warp-l
 ASYNC_OPS = ("LDGSTS", "UTMALDG", "UBLKCP")     # cp.async and TMA copies into shared memory
 LOAD_OPS = ("LDG",)                             # synchronous global loads (into registers)
 SHUFFLE_OPS = ("SHFL",)
+SPECIAL_OPS = ("MUFU",)
 
 
 def nvdisasm_path() -> str:
@@ -69,33 +72,43 @@ class Mix:
     global_loads: int
     async_copies: int
     shuffles: int
+    special: int = 0    # special-function unit instructions (MUFU)
 
     @classmethod
     def of(cls, ops: collections.Counter) -> "Mix":
         count = lambda names: sum(ops[n] for n in names)  # noqa: E731
-        return cls(sum(ops.values()), count(MMA_OPS), count(LOAD_OPS), count(ASYNC_OPS), count(SHUFFLE_OPS))
+        return cls(sum(ops.values()), count(MMA_OPS), count(LOAD_OPS), count(ASYNC_OPS), count(SHUFFLE_OPS),
+                   count(SPECIAL_OPS))
 
 
 def _opcode(text: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def instruction_mix(cubin: bytes) -> tuple[Mix, Mix]:
-    """The mix of the whole kernel and of its key loop: the body of the backward branch (a loop) whose body holds
-    the most MMAs, ties to the first (an all-zero :class:`Mix` when no loop holds an MMA)."""
-    code = disassemble(cubin)
-    whole = Mix.of(collections.Counter(_opcode(t) for _, t, _ in code))
+def _loops(code: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+    """``(first, last)`` addresses of each innermost loop body: a backward branch's span that holds no other. (A
+    span that holds one is not a source loop: e.g. the jump back from an out-of-line wait on a TMA barrier, placed
+    at the kernel's end, spans the whole kernel.)"""
     at = {}
     for addr, _, labels in code:
         for name in filter(None, labels.split(",")):
             at[name] = addr
-    best, best_mma = Mix(0, 0, 0, 0, 0), 0
+    spans = []
     for addr, text, _ in code:
         m = _BRANCH.search(text)
-        if not m or at.get(m.group(1), addr) >= addr:
-            continue
-        body = collections.Counter(_opcode(t) for a, t, _ in code if at[m.group(1)] <= a <= addr)
-        mix = Mix.of(body)
+        if m and at.get(m.group(1), addr) < addr:
+            spans.append((at[m.group(1)], addr))
+    return [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+
+
+def instruction_mix(cubin: bytes) -> tuple[Mix, Mix]:
+    """The mix of the whole kernel and of its key loop: the innermost loop body (:func:`_loops`) holding the most
+    MMAs, ties to the first (an all-zero :class:`Mix` when no loop holds an MMA)."""
+    code = disassemble(cubin)
+    whole = Mix.of(collections.Counter(_opcode(t) for _, t, _ in code))
+    best, best_mma = Mix(0, 0, 0, 0, 0), 0
+    for first, last in _loops(code):
+        mix = Mix.of(collections.Counter(_opcode(t) for a, t, _ in code if first <= a <= last))
         if mix.mma > best_mma:
             best, best_mma = mix, mix.mma
     return whole, best
