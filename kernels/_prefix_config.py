@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import triton
 
+from ..config import KVDtype, PageReads
 from ._prefix_kernel import prefix_attention_kernel
 
 
@@ -41,19 +43,32 @@ NPU_BLOCK_N = 64
 # where 4 warps compile spill-free, candidate tiles over 8. BLOCK_N and stages are autotuned over the configs that
 # compile spill-free (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16;
 # benchmarks/results/).
+# Each config reads full key blocks through pointers or, on sm_90+, through a tensor descriptor (TMA: the copy
+# engine moves a block, no per-thread addresses): which is faster depends on the GPU and the variant, so where both
+# can run the autotuner measures both (``TMA_READS``, :func:`page_reads`).
 CUDA_BLOCK_M = 128
 CUDA_HIST_BLOCK_M = 64
 CUDA_NUM_WARPS = 8
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for w in (CUDA_NUM_WARPS, 4)
-                for bn in (32, 64) for s in (2, 3)]
+TMA_OFF, TMA_EITHER, TMA_ONLY = 0, 1, 2  # TMA_READS: which page reads the autotuner may pick
+
+
+def _fit_descriptor(nargs) -> None:
+    """Autotune pre-hook: the K/V tensor descriptor's block is the config's key block (``[BLOCK_N, HEAD_DIM]``)."""
+    if nargs.get("kv_desc") is not None:
+        nargs["kv_desc"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_fit_descriptor)
+                for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
+CUDA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)
 # Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
 SPLIT_ALIGN = 128
 # No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
 AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "HIST_TABLE",
-                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU"]
+                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS"]
 
 
 def prune_configs(configs, named_args, **kwargs):
@@ -61,14 +76,19 @@ def prune_configs(configs, named_args, **kwargs):
     candidate tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above
     head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel (no ``HIST_TABLE``)
     ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a bias (their table row
-    read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS` is kept."""
+    read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS` is kept, those reading
+    pages through a tensor descriptor as ``TMA_READS`` allows (the same rules: they compile as the pointer configs
+    do) when a key block lies in one page."""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
     biased = hstu and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
     row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
     cand_bias = biased and cand
+    reads, page_size = meta.get("TMA_READS", TMA_OFF), meta.get("PAGE_SIZE", 0)
     kept = [c for c in configs
-            if (c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and meta.get("BLOCK_M", 64) <= 64)
+            if (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
+            and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
+            and (c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and meta.get("BLOCK_M", 64) <= 64)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128))]
@@ -87,6 +107,49 @@ def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, blo
                         num_stages=2 if block_n else None, hist_block_m=block_m or CUDA_HIST_BLOCK_M)
 
 
+def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, page_size: int,
+               block_n: Optional[int]) -> tuple[int, object]:
+    """How a launch reads full key blocks: ``(TMA_READS, kv_desc)``, the descriptor (None without TMA) viewing
+    ``kv_cache [num_pages, 2, page_size, H, D]`` as rows ``[num_pages * 2 * page_size, H * D]``.
+
+    ``auto`` lets the autotuner pick on CUDA sm_90+ where TMA can run, and reads through pointers elsewhere (and
+    with a fixed ``block_n``, which is not autotuned); ``tma`` raises ``ValueError`` where it cannot run: 8-bit
+    pages, a head dim not a power of two, a page not a whole number of key blocks, a GPU before sm_90 (the
+    interpreter runs it, for tests). ``kv_cache`` is contiguous (the launcher checks it)."""
+    num_pages, _, _, heads, head_dim = kv_cache.shape
+    device = kv_cache.device
+    key_block = block_n or CUDA_MIN_BLOCK_N
+    rows = num_pages * 2 * page_size
+    why = None
+    if choice is PageReads.POINTERS:
+        return TMA_OFF, None
+    if kv_dtype.quantized:
+        why = f"kv_dtype={kv_dtype.value!r} pages are read through pointers"
+    elif head_dim < 16 or head_dim & (head_dim - 1):
+        why = f"the head dim must be a power of two >= 16, got {head_dim}"
+    elif page_size % key_block:
+        why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
+    elif rows >= 1 << 31:
+        why = f"the pages hold {rows} K/V rows, more than a descriptor's int32 coordinates reach"
+    elif device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        why = f"needs sm_90 or later, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    elif device.type not in ("cuda", "cpu"):
+        why = f"not on {device.type}"
+    if choice is PageReads.AUTO:
+        if why is not None or device.type != "cuda" or block_n is not None:
+            return TMA_OFF, None
+        reads = TMA_EITHER
+    elif why is not None:
+        raise ValueError(f"page_reads='tma': {why}")
+    else:
+        reads = TMA_ONLY
+    from triton.tools.tensor_descriptor import TensorDescriptor  # (not every Triton build has it: imported here)
+
+    desc = TensorDescriptor(kv_cache.view(rows, heads * head_dim), [rows, heads * head_dim], [heads * head_dim, 1],
+                            [key_block, head_dim])
+    return reads, desc
+
+
 _autotuned = None
 
 
@@ -94,6 +157,11 @@ def reset_autotuning() -> None:
     """Forget the autotuned configs chosen so far (the next call of each variant tunes again)."""
     if _autotuned is not None:
         _autotuned.cache.clear()
+
+
+def autotuned_choices() -> list[str]:
+    """The configs the autotuner has kept, one per variant tuned since the last :func:`reset_autotuning`."""
+    return [str(c) for c in _autotuned.cache.values()] if _autotuned is not None else []
 
 
 def autotuned_kernel():

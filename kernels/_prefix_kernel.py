@@ -21,8 +21,10 @@ same table (``HIST_TABLE``: one contiguous ``[BLOCK_M, BLOCK_N]`` load per key b
 else compute the bias per (row, key) (:mod:`relaygr_engine.kernels._bias`).
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
-pointwise: no running max). Only pointer arithmetic with masks is used (no block pointers or tensor descriptors), so
-the same source runs through triton-ascend and Triton's CPU interpreter.
+pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
+descriptors), so the same source runs through triton-ascend and Triton's CPU interpreter. Beside it, on sm_90+,
+``TMA`` reads a full key block's K and V with two tensor-descriptor loads (the Hopper copy engine: no per-thread
+addresses); the autotuner picks per variant between the two (:mod:`relaygr_engine.kernels._prefix_config`).
 """
 from __future__ import annotations
 
@@ -142,12 +144,14 @@ def _page_ids(kv_indices_ptr, page_lo, start, hi, offs_n, PAGE_SIZE: tl.constexp
 
 
 @triton.jit
-def _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off,
+def _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, head, head_off,
                 stride_page, stride_kv, stride_slot, stride_ts_page,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_TS: tl.constexpr, MASKED: tl.constexpr):
+                HAS_TS: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
     """K, V ``[BLOCK_N, BLOCK_D]`` and (``HAS_TS``) timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n`` in
-    ``page`` (:func:`_page_ids`); with ``MASKED`` those ``>= hi`` read as zeros."""
+    ``page`` (:func:`_page_ids`); with ``MASKED`` those ``>= hi`` read as zeros. With ``TMA`` (a full block, within
+    one page) K and V are two tensor-descriptor loads: ``kv_desc`` sees the pages as rows ``[pages * 2 *
+    PAGE_SIZE, H * D]`` (K of page ``p`` from row ``2 p PAGE_SIZE``, its V ``PAGE_SIZE`` rows on)."""
     kpos = start + offs_n
     if PAGE_SIZE % BLOCK_N == 0:
         slot = start % PAGE_SIZE + offs_n
@@ -155,7 +159,12 @@ def _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off,
         slot = kpos % PAGE_SIZE
     row = page * stride_page + slot * stride_slot
     off = head_off + row[:, None] + offs_d[None, :]
-    if MASKED:
+    if TMA:
+        tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM and not MASKED)
+        k_row = (page * (2 * PAGE_SIZE) + start % PAGE_SIZE).to(tl.int32)
+        k = kv_desc.load([k_row, head * HEAD_DIM])
+        v = kv_desc.load([k_row + PAGE_SIZE, head * HEAD_DIM])
+    elif MASKED:
         mask = (kpos < hi)[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(kv_ptr + off, mask=mask, other=0.0)
         v = tl.load(kv_ptr + stride_kv + off, mask=mask, other=0.0)
@@ -215,20 +224,22 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
 
 @triton.jit
 def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
                 TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, FAST_SILU: tl.constexpr,
-                MASKED: tl.constexpr):
+                TMA: tl.constexpr, MASKED: tl.constexpr):
     """One block of cached keys ``start + offs_n`` (in ``page``) into the running state; with ``MASKED`` the keys
     ``>= hi`` are hidden (the user's last block). With ``TABLE`` the tile reads its bias from the bias table at
     ``tb_ptr`` (:func:`_table_bias`), so it needs no key timestamps."""
     BIAS: tl.constexpr = HAS_POS or HAS_TS
     KEY_TS: tl.constexpr = HAS_TS and not TABLE
-    k, v, t_k = _load_pages(kv_ptr, ts_cache_ptr, page, start, hi, offs_n, offs_d, head_off, stride_page, stride_kv,
-                            stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, KEY_TS, MASKED)
+    PAGE_TMA: tl.constexpr = TMA and not MASKED  # (a masked block reads through pointers)
+    k, v, t_k = _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, head, head_off,
+                            stride_page, stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+                            KEY_TS, PAGE_TMA, MASKED)
     vs = 0.0
     if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
         ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv, stride_slot,
@@ -255,6 +266,7 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
 def prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,                     # [total_q, H, D]
     kv_ptr, kvs_ptr,                                  # [num_pages, 2, PAGE_SIZE (+ scale slots), H, D]; KV8: fp32
+    kv_desc,                                          # TMA: a tensor descriptor of kv_ptr's rows (else None)
     kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,       # paged layout (int32)
     cu_q_ptr, num_cand_ptr,                           # query layout (int32)
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
@@ -271,11 +283,13 @@ def prefix_attention_kernel(
     HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
     HIST_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
-    KV8: tl.constexpr, FAST_SILU: tl.constexpr,
+    KV8: tl.constexpr, FAST_SILU: tl.constexpr, TMA: tl.constexpr,
+    TMA_READS: tl.constexpr,                          # (read by the autotuner's pruning only: _prefix_config)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
     TABLE: tl.constexpr = BIAS and (CAND_TILES or HIST_TABLE)  # the bias comes from the bias table
+    tl.static_assert(not (TMA and KV8))  # 8-bit pages read through pointers
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -335,18 +349,18 @@ def prefix_attention_kernel(
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, False)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
-                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, True)
+                TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, True)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)

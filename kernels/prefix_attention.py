@@ -35,11 +35,11 @@ from typing import Optional
 import torch
 from .. import quant
 from .._host import ship
-from ..config import AttentionMode, KVDtype, TimeBucket, check_int, parse_choice
+from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_config import (CUDA_MAX_BLOCK_N, KernelConfig, SPLIT_ALIGN, autotuned_kernel, pick_config,
-                             reset_autotuning)
+from ._prefix_config import (CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig, SPLIT_ALIGN, autotuned_kernel,
+                             page_reads as pick_page_reads, pick_config, reset_autotuning)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._split import merge_splits, pick_splits
@@ -187,7 +187,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
                      plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
-                     kv_dtype="model", bias_table_bytes: Optional[int] = None) -> torch.Tensor:
+                     kv_dtype="model", bias_table_bytes: Optional[int] = None,
+                     page_reads="auto") -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -250,6 +251,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         user, plus a key block, rounded up to 16 keys)
         when it takes at most this many bytes (default ``HIST_BIAS_TABLE_BYTES``, 32 MiB), else compute it in the
         kernel; 0 always computes it. Candidate tiles always read theirs from a table (one row per user).
+    page_reads : {"auto", "pointers", "tma"}
+        How full key blocks' K/V are read (:class:`~relaygr_engine.config.PageReads`): ``"auto"`` autotunes
+        pointer reads against tensor-descriptor (TMA) reads on CUDA sm_90+ (pointers elsewhere); ``"tma"`` only
+        the latter, and raises ``ValueError`` where they cannot run (8-bit pages, a head dim not a power of two, a
+        page not a whole number of key blocks, a GPU before sm_90).
 
     Returns
     -------
@@ -298,6 +304,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     _check_block("block_n", block_n)
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
+    reads = parse_choice(PageReads, page_reads, "page_reads")
     if plan is not None:
         if not isinstance(plan, PrefixAttentionPlan):
             raise ValueError(f"plan must be a PrefixAttentionPlan (plan_prefix_attention), got {C.describe(plan)}")
@@ -320,6 +327,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         return out
     cfg = pick_config(device, q.dtype, head_dim, plan.block_m if plan is not None else block_m, block_n,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
+    tma_reads, kv_desc = pick_page_reads(reads, kv_cache, kv_dtype=kd, page_size=page_size, block_n=cfg.block_n)
     if plan is None:
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
@@ -357,7 +365,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
     pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache
     scales = kv_cache.view(-1).view(torch.float32) if kd.quantized else q
-    head = (q, k, v, out, pages, scales, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates)
+    head = (q, k, v, out, pages, scales, kv_desc, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
+            num_candidates)
     tail = (
         pos_bias if has_pos else dummy, ts_bias if has_ts else dummy,
         ts_cache if has_ts and ts_cache is not None else dummy, ts_q if has_ts else dummy,
@@ -372,11 +381,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
                 DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1,
-                KV8=kd.quantized, FAST_SILU=fast_silu)
+                KV8=kd.quantized, FAST_SILU=fast_silu, TMA_READS=tma_reads)
     if cfg.block_n is None:
         kernel, extra = autotuned_kernel(), {}
     else:
-        kernel, extra = _prefix_attention_kernel, dict(BLOCK_N=cfg.block_n)
+        kernel, extra = _prefix_attention_kernel, dict(BLOCK_N=cfg.block_n, TMA=tma_reads == TMA_ONLY)
         if cfg.num_warps is not None:
             extra.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with C.device_guard(device):

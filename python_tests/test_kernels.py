@@ -1,110 +1,21 @@
-"""Triton kernels against their pure-torch references.
-
-Without CUDA the kernels run in Triton's CPU interpreter in fp32 (max abs diff <= 1e-4). Triton reads
-``TRITON_INTERPRET`` when it decorates ``@triton.jit`` functions, its own library functions included, so the variable
-is set here before triton's first import; if triton was already imported without it, ``test_interpreter_active``
-fails and says so. bf16 tests on CUDA skip where there is no CUDA device.
+"""The prefix-attention kernel against its pure-torch reference, in Triton's CPU interpreter (fp32, max abs diff <=
+1e-4) or compiled on CUDA (:mod:`kernel_problems` sets the interpreter up). The KV write/pack kernels are in
+test_kernels_kv.py, the CUDA-only tests in test_kernels_cuda.py, CUDA's fast paths checked in the interpreter in
+test_kernels_fast_paths.py, the sm_90 static compiles in test_kernels_sm90.py.
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-import sys
 
 import pytest
 import torch
+from kernel_problems import (CUDA, INTERPRETER, ATOL, attention_kwargs, check_attention, make_problem,
+                             needs_interpreter)
 
-CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton", reason="triton is not installed")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from relaygr_engine.kernels import _common  # noqa: E402
-from relaygr_engine.kernels.kv_pack import kv_pack, kv_unpack, packed_shape  # noqa: E402
-from relaygr_engine.kernels.kv_write import kv_write  # noqa: E402
-from relaygr_engine.kernels.prefix_attention import AttentionMode, prefix_attention  # noqa: E402
-from relaygr_engine.kernels.reference import (  # noqa: E402
-    kv_pack_ref, kv_unpack_ref, kv_write_ref, prefix_attention_ref, time_bucket_ref, visible_mask_ref)
-
-INTERPRETER = _common.interpreter_active()
-ATOL = 1e-4
-
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETER, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import); "
-                            "not active in this process")
-needs_cuda = pytest.mark.skipif(not CUDA or INTERPRETER,
-                                reason="needs a CUDA device and compiled Triton (no CUDA here, or interpreter mode)")
-gpu = pytest.mark.gpu
-
-
-# ------------------------------------------------------------------------------------------------ problem builder
-def make_problem(users, page_size, heads, head_dim, *, seed=0, spare_pages=3, num_buckets=16, num_pos=64,
-                 device="cpu", dtype=torch.float32):
-    """A random varlen batch; ``users`` = [(prefix_len, new_history, candidates), ...].
-
-    Pages are scattered (shuffled ids, spare pages between) and every unused cache slot holds NaN, so any read
-    outside a user's tokens poisons the output. Timestamps increase with log-uniform gaps (a few negative, to
-    exercise the clamp at 0); candidates share the request time.
-    """
-    g = torch.Generator().manual_seed(seed)
-    num_pages = sum(_common.cdiv(p, page_size) for p, _, _ in users) + spare_pages
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    kv_cache = torch.full((num_pages, 2, page_size, heads, head_dim), float("nan"))
-    ts_cache = torch.randint(-(1 << 40), 1 << 40, (num_pages, page_size), generator=g)
-    cu, cand, indptr, indices, last, ts_q = [0], [], [0], [], [], []
-    for p, n, c in users:
-        pages = [perm.pop() for _ in range(_common.cdiv(p, page_size))]
-        gaps = (2.0 ** (torch.rand(p + n + 1, generator=g) * 24)).long() - torch.randint(0, 3, (p + n + 1,),
-                                                                                         generator=g)
-        ts = torch.cumsum(gaps, 0) + (1 << 30)
-        for t in range(p):
-            page, slot = pages[t // page_size], t % page_size
-            kv_cache[page, :, slot] = torch.randn(2, heads, head_dim, generator=g)
-            ts_cache[page, slot] = ts[t]
-        ts_q += ts[p:p + n].tolist() + [int(ts[p + n])] * c
-        cu.append(cu[-1] + n + c)
-        cand.append(c)
-        indices += pages
-        indptr.append(len(indices))
-        last.append(0 if not pages else p - (len(pages) - 1) * page_size)
-    total = cu[-1]
-    q, k, v = (torch.randn(total, heads, head_dim, generator=g) for _ in range(3))
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    args = dict(q=q, k=k, v=v, kv_cache=kv_cache)
-    args = {name: t.to(device=device, dtype=dtype) for name, t in args.items()}
-    args.update(kv_indptr=i32(indptr), kv_indices=i32(indices), kv_last_page_len=i32(last), cu_seqlens_q=i32(cu),
-                num_candidates=i32(cand))
-    bias = dict(pos_bias=(0.5 * torch.randn(num_pos, generator=g)).to(device),
-                ts_bias=(0.5 * torch.randn(num_buckets, generator=g)).to(device),
-                ts_cache=ts_cache.to(device), ts_q=torch.tensor(ts_q, dtype=torch.int64, device=device))
-    return args, bias
-
-
-def attention_kwargs(mode, bias, head_dim, which=("pos", "ts")):
-    if mode == "softmax":
-        return dict(mode="softmax", scale=1.0 / math.sqrt(head_dim))
-    kw = dict(mode="hstu", scale=1.0 / math.sqrt(head_dim), hstu_norm=64.0)
-    if "pos" in which:
-        kw["pos_bias"] = bias["pos_bias"]
-    if "ts" in which:
-        kw.update(ts_bias=bias["ts_bias"], ts_cache=bias["ts_cache"], ts_q=bias["ts_q"])
-    return kw
-
-
-def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL, splits=None,
-                    bias_table_bytes=None):
-    out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n, splits=splits,
-                           bias_table_bytes=bias_table_bytes)
-    ref = prefix_attention_ref(**args, **kw)
-    assert out.shape == ref.shape and out.dtype == args["q"].dtype
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
-    return out
+from relaygr_engine.kernels import _common
+from relaygr_engine.kernels.kv_write import kv_write
+from relaygr_engine.kernels.prefix_attention import AttentionMode, prefix_attention
+from relaygr_engine.kernels.reference import prefix_attention_ref, time_bucket_ref, visible_mask_ref
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -218,36 +129,6 @@ def test_history_tiles_read_the_bias_table_within_its_budget(monkeypatch, time_b
             assert built == [(4, 4 if budget is None or budget >= need else None)], (budget, built)
     for key, out in outs.items():
         assert torch.equal(out, outs[None, key[1]]), key
-
-
-@triton.jit
-def _tanh_exact(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _tanh_wrong(x):
-    return x * 0.0
-
-
-@needs_interpreter
-def test_fast_silu_form_is_exact_with_an_exact_tanh(monkeypatch):
-    """CUDA's 16-bit path (``FAST_SILU``: ``SiLU(x) = h + h tanh(h)``, ``h = x / 2``, with the bias halved in the
-    table, in the kernel's own bias terms and in a candidate's self term) gives the reference's result when its
-    PTX tanh is swapped for an exact one: every bias path (table, in-kernel, split) agrees within 1e-4. A wrong tanh
-    fails it, so the fast form is the one that ran."""
-    from relaygr_engine.kernels import _prefix_kernel as K, prefix_attention as pa
-
-    monkeypatch.setattr(pa, "_fast_silu", lambda device, dtype: True)
-    args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, 32, seed=5)
-    kw = attention_kwargs("hstu", bias, 32)
-    monkeypatch.setattr(K, "_tanh_approx", _tanh_exact)
-    for budget, splits in ((None, 1), (0, 1), (None, 3)):
-        check_attention(args, kw, persistent=splits == 3, block_m=16, block_n=16, splits=splits,
-                        bias_table_bytes=budget)
-    monkeypatch.setattr(K, "_tanh_approx", _tanh_wrong)
-    with pytest.raises(AssertionError):
-        check_attention(args, kw, persistent=False, block_m=16, block_n=16)
 
 
 @needs_interpreter
@@ -445,104 +326,6 @@ def test_cpu_launch_without_interpreter_is_refused():
         _common.check_launchable(torch.device("cpu"), object())
 
 
-# ------------------------------------------------------------------------------------------------ kv_write
-@needs_interpreter
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("with_ts", [False, True])
-def test_kv_write_matches_reference(persistent, with_ts):
-    g = torch.Generator().manual_seed(int(persistent) * 2 + int(with_ts))
-    num_pages, page_size, heads, head_dim, n = 12, 16, 2, 48, 37
-    cache = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g)
-    ts_cache = torch.randint(0, 1000, (num_pages, page_size), generator=g)
-    expect, expect_ts = cache.clone(), ts_cache.clone()
-    k, v = torch.randn(n, heads, head_dim, generator=g), torch.randn(n, heads, head_dim, generator=g)
-    slots = torch.randperm(num_pages * page_size, generator=g)[:n]
-    slots[[0, 5, 36]] = -1  # padding rows are skipped
-    ts = torch.randint(1 << 40, 1 << 41, (n,), generator=g)
-    extra = dict(ts=ts, ts_cache=ts_cache) if with_ts else {}
-    kv_write(cache, k, v, slots, persistent=persistent, **extra)
-    kv_write_ref(expect, k, v, slots, **(dict(ts=ts, ts_cache=expect_ts) if with_ts else {}))
-    assert torch.equal(cache, expect)
-    assert torch.equal(ts_cache, expect_ts)
-    page, off = slots[1] // page_size, slots[1] % page_size
-    assert torch.equal(cache[page, 0, off], k[1]) and torch.equal(cache[page, 1, off], v[1])
-
-
-@needs_interpreter
-def test_kv_write_rejects_bad_inputs():
-    cache = torch.zeros(4, 2, 16, 2, 32)
-    k = v = torch.zeros(3, 2, 32)
-    with pytest.raises(IndexError, match="slot_mapping must hold slots < num_pages"):
-        kv_write(cache, k, v, torch.tensor([0, 1, 64]))
-    with pytest.raises(ValueError, match="slot_mapping must have dtype"):
-        kv_write(cache, k, v, torch.tensor([0.0, 1.0, 2.0]))
-    with pytest.raises(ValueError, match="v must have shape"):
-        kv_write(cache, k, torch.zeros(3, 2, 16), torch.tensor([0, 1, 2]))
-    with pytest.raises(ValueError, match="give ts and ts_cache together"):
-        kv_write(cache, k, v, torch.tensor([0, 1, 2]), ts=torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="kv_cache must have shape"):
-        kv_write(torch.zeros(4, 3, 16, 2, 32), k, v, torch.tensor([0, 1, 2]))
-    kv_write(cache, k[:0], v[:0], torch.tensor([], dtype=torch.int64))  # nothing to write is fine
-    assert not cache.any()
-
-
-# ------------------------------------------------------------------------------------------------ kv_pack
-def _caches(num_layers=3, num_pages=9, page_size=16, heads=2, head_dim=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(num_pages, 2, page_size, heads, head_dim, generator=g) for _ in range(num_layers)]
-
-
-@needs_interpreter
-@pytest.mark.parametrize("persistent", [False, True])
-def test_kv_pack_layout_and_roundtrip(persistent):
-    caches = _caches()
-    ids = [7, 2, 5, 0]
-    buf = kv_pack(caches, ids, persistent=persistent)
-    assert buf.shape == packed_shape(caches, 4) == (3, 2, 64, 2, 32) and buf.is_contiguous()
-    assert torch.equal(buf, kv_pack_ref(caches, ids))
-    for layer in (0, 2):  # the documented layout, element by element for some slots
-        for i, page in enumerate(ids):
-            for slot in (0, 15):
-                assert torch.equal(buf[layer, 0, i * 16 + slot], caches[layer][page, 0, slot])
-                assert torch.equal(buf[layer, 1, i * 16 + slot], caches[layer][page, 1, slot])
-    dest, expect = _caches(seed=1), _caches(seed=1)
-    kv_unpack(buf, dest, torch.tensor([1, 8, 3, 4], dtype=torch.int32), persistent=persistent)
-    kv_unpack_ref(buf, expect, [1, 8, 3, 4])
-    assert all(torch.equal(a, b) for a, b in zip(dest, expect))
-    assert all(torch.equal(d[1], c[7]) and torch.equal(d[0], e[0]) for d, c, e in zip(dest, caches, _caches(seed=1)))
-
-
-@needs_interpreter
-def test_kv_pack_out_and_empty():
-    caches = _caches(num_layers=2)
-    out = torch.full(packed_shape(caches, 2), 7.0)
-    assert kv_pack(caches, [4, 4], out=out) is out  # a page may be packed twice
-    assert torch.equal(out[:, :, :16], out[:, :, 16:]) and torch.equal(out, kv_pack_ref(caches, [4, 4]))
-    empty = kv_pack(caches, [])
-    assert empty.shape == (2, 2, 0, 2, 32)
-    before = [c.clone() for c in caches]
-    kv_unpack(empty, caches, [])
-    assert all(torch.equal(a, b) for a, b in zip(caches, before))
-
-
-@needs_interpreter
-def test_kv_pack_rejects_bad_inputs():
-    caches = _caches(num_layers=2)
-    buf = kv_pack(caches, [1, 2])
-    with pytest.raises(ValueError, match="must not repeat a page id"):
-        kv_unpack(buf, caches, [3, 3])
-    with pytest.raises(IndexError, match=r"page_ids must hold page ids in \[0, 9\)"):
-        kv_pack(caches, [0, 9])
-    with pytest.raises(ValueError, match="buffer must have shape"):
-        kv_unpack(buf, caches, [1, 2, 3])
-    with pytest.raises(ValueError, match="kv_caches\\[1\\] must have shape"):
-        kv_pack([caches[0], caches[1][:, :, :8].contiguous()], [0])
-    with pytest.raises(ValueError, match="non-empty list"):
-        kv_pack(caches[0], [0])
-    with pytest.raises(ValueError, match="out must have dtype"):
-        kv_pack(caches, [1], out=torch.zeros(packed_shape(caches, 1), dtype=torch.float64))
-
-
 # ------------------------------------------------------------------------------------------------ bench smoke
 @needs_interpreter
 def test_bench_kernels_smoke(tmp_path, capsys):
@@ -564,103 +347,3 @@ def test_bench_kernels_smoke(tmp_path, capsys):
     assert sorted(r["block_m"] for r in rows) == [16, 32] and all(r["max_abs_err"] <= ATOL for r in rows)
     with pytest.raises(SystemExit):
         bench.main(["--block-m", "24"])
-
-
-# ------------------------------------------------------------------------------------------------ CUDA (bf16)
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("mode", ["softmax", "hstu"])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_prefix_attention_bf16_cuda(mode, persistent):
-    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64)]
-    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
-    kw = attention_kwargs(mode, bias, 128)
-    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
-    outs = [prefix_attention(**args, **kw, persistent=persistent, bias_table_bytes=b) for b in (None, 0)]
-    for out in outs:  # history tiles reading the bias table, and computing it in the kernel
-        assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("mode", ["softmax", "hstu"])
-def test_prefix_attention_split_prefix_bf16_cuda(mode):
-    """A ranking's shape (one user, few rows, long prefix): the automatic split choice splits, and forced splits
-    agree with the reference."""
-    from relaygr_engine.kernels._split import pick_splits
-
-    users = [(4000, 64, 256)]
-    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
-    kw = attention_kwargs(mode, bias, 128)
-    assert pick_splits(torch.device("cuda"), 5 * 4, 4000) > 1
-    assert pick_splits(torch.device("cuda"), 5 * 4, 0) == 1  # nothing cached (a prefill): never split
-    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
-    for splits in (None, 3):
-        out = prefix_attention(**args, **kw, splits=splits)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-
-
-@gpu
-@needs_cuda
-def test_new_batch_shapes_compile_no_new_kernel_binary():
-    """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
-    the attention kernel and of the bias-table kernel."""
-    from relaygr_engine.kernels._bias_table import bias_table_kernel
-    from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
-
-    def binaries():
-        return [sum(len(c[0]) for c in k.device_caches.values()) for k in (kernel, bias_table_kernel)]
-
-    for i, users in enumerate([[(4000, 64, 256)], [(3001, 17, 255)], [(4100, 1, 33)], [(2500, 48, 64)]]):
-        args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16, seed=i)
-        kw = attention_kwargs("hstu", bias, 128)
-        prefix_attention(**args, **kw, splits=3)
-        if i == 0:
-            first = binaries()
-    assert binaries() == first
-
-
-@gpu
-@needs_cuda
-def test_prefix_attention_fp32_cuda_ieee():
-    args, bias = make_problem([(300, 20, 100), (64, 1, 3)], 32, 2, 64, device="cuda")
-    check_attention(args, attention_kwargs("hstu", bias, 64), persistent=False)
-    check_attention(args, attention_kwargs("softmax", bias, 64), persistent=True)
-
-
-@gpu
-@needs_cuda
-def test_kv_write_and_pack_bf16_cuda():
-    caches = [torch.randn(40, 2, 32, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    k, v = torch.randn(50, 4, 64, device="cuda"), torch.randn(50, 4, 64, device="cuda")
-    slots = torch.randperm(40 * 32, device="cuda")[:50]
-    expect = caches[0].clone()
-    kv_write(caches[0], k, v, slots)  # fp32 rows into a bf16 cache
-    kv_write_ref(expect, k, v, slots)
-    assert torch.equal(caches[0], expect)
-    ids = torch.tensor([3, 31, 7], device="cuda")
-    host = torch.empty(packed_shape(caches, 3), dtype=torch.bfloat16, pin_memory=True)
-    kv_pack(caches, ids, out=host)
-    torch.cuda.synchronize()
-    assert torch.equal(host, kv_pack_ref([c.cpu() for c in caches], ids.cpu()))
-    dest = [torch.zeros_like(c) for c in caches]
-    kv_unpack(host, dest, ids)
-    assert all(torch.equal(d[ids], c[ids]) for d, c in zip(dest, caches))
-
-
-def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monkeypatch):
-    from relaygr_engine.kernels import _split
-
-    monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
-    cuda = torch.device("cuda", 0)
-    assert _split.pick_splits(cuda, 24, 3968) == 7           # 24 programs on 132 cores: 3968 // 512 keys-limited
-    assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
-    assert _split.pick_splits(cuda, 24, 511) == 1            # too few cached keys per split
-    assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
-    assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
-    assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
-    assert _split.pick_splits(torch.device("cpu"), 1, 0, splits=4) == 4
-    for bad in (0, 33, True, 2.0):
-        with pytest.raises(ValueError, match="splits must be an integer in"):
-            _split.pick_splits(cuda, 24, 3968, splits=bad)

@@ -36,6 +36,9 @@ for persistent in (False, True):
         assert "tanh.approx.f32" in k.asm["ptx"]  # bf16: SiLU through one approximate tanh
     check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=2, persistent=persistent,
                             cand_tiles=False, hist_table=False), "hstu, history bias in the kernel")
+for cand in (False, True):  # the Hopper variant beside it: full key blocks through a tensor descriptor (TMA)
+    k = compile_attention("hstu", 256, 128 if cand else 64, 32, num_warps=8, num_stages=3, cand_tiles=cand, tma=True)
+    assert "cp.async.bulk.tensor" in k.asm["ptx"] and ptxas_report(k.asm["ptx"])[1] == 0
 k = check(compile_attention("hstu", 48, 64, 32, num_warps=4, num_stages=2, page_size=16, dtype="fp32"), "hstu fp32")
 assert "tanh.approx" not in k.asm["ptx"]  # fp32 keeps the exact SiLU
 regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"])
@@ -124,7 +127,9 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     rows = json.loads(path.read_text())["rows"]
     biased = ("hstu", "hstu-inkernel")
     expect = {(m, c, len(K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=64, HSTU=m != "softmax", CAND_TILES=c,
-                                         HAS_POS=m in biased, HAS_TS=m in biased, HIST_TABLE=m == "hstu")))
+                                         HAS_POS=m in biased, HAS_TS=m in biased, HIST_TABLE=m == "hstu",
+                                         BLOCK_M=K.CUDA_BLOCK_M if c else K.CUDA_HIST_BLOCK_M, PAGE_SIZE=64,
+                                         TMA_READS=K.TMA_EITHER)))
               for m in ("softmax", "hstu", "hstu-inkernel", "hstu-nobias") for c in (False, True)
               if not (m == "hstu-inkernel" and c)}  # candidate tiles always read the bias table
     got = {(r["config"]["mode"], r["config"]["cand_tiles"]) for r in rows}
@@ -137,6 +142,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     assert float(result["mufu_per_score_hstu_cand"]) == 1.0
     assert float(result["mufu_per_score_softmax_cand"]) > 1.0  # its exp2, plus each row's rescale
     hist4 = [r for r in rows if not r["config"]["cand_tiles"] and r["config"]["num_warps"] == 4]
+    assert {r["config"]["tma"] for r in rows} == {False, True}  # pointer and tensor-descriptor page reads
     assert hist4 and all(r["loop"]["special"] * 128 == r["config"]["block_m"] * r["config"]["block_n"]
                          for r in hist4 if r["config"]["mode"].startswith("hstu"))
     # reading the bias table costs a history tile less than computing it
@@ -171,3 +177,23 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
         assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == all4
     assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # a 128-row tile needs 8 warps
     assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)
+
+
+def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
+    """``TMA_READS``: off keeps the pointer configs only, either adds a tensor-descriptor twin of each (same
+    rules: they compile alike) where a key block lies in one page, only keeps the twins."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    def kept(reads, page_size=64, **meta):
+        meta = {**dict(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True), **meta}
+        return sorted((c.kwargs["TMA"], c.num_warps, c.kwargs["BLOCK_N"], c.num_stages)
+                      for c in K.prune_configs(K.CUDA_CONFIGS, {}, PAGE_SIZE=page_size, TMA_READS=reads, **meta))
+
+    pointers = kept(K.TMA_OFF)
+    assert pointers and not any(t for t, *_ in pointers)
+    twins = [(True, *c[1:]) for c in pointers]
+    assert kept(K.TMA_EITHER) == pointers + twins
+    assert kept(K.TMA_ONLY) == twins
+    assert kept(K.TMA_EITHER, page_size=32) == pointers + [c for c in twins if c[2] == 32]
+    assert kept(K.TMA_EITHER, HEAD_DIM=256) == kept(K.TMA_OFF, HEAD_DIM=256) + [
+        (True, *c[1:]) for c in kept(K.TMA_OFF, HEAD_DIM=256)]

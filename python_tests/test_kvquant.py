@@ -152,7 +152,7 @@ TRITON_INT8 = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import torch
-    from test_kernels import attention_kwargs, make_problem
+    from kernel_problems import attention_kwargs, make_problem
     from relaygr_engine import quant
     from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels.prefix_attention import prefix_attention

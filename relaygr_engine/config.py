@@ -11,8 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "KVDtype", "OnloadMode", "TimeBucket",
-           "check_int", "parse_choice", "resolve_dtype"]
+__all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "KVDtype", "OnloadMode", "PageReads",
+           "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
 
 
 def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
@@ -80,6 +80,14 @@ class KVDtype(str, enum.Enum):
     @property
     def quantized(self) -> bool:
         return self is not KVDtype.MODEL
+
+
+class PageReads(str, enum.Enum):
+    """How the Triton prefix-attention kernel reads a full key block's K and V from the pages."""
+
+    AUTO = "auto"          # on sm_90+ the autotuner measures both and keeps the faster per variant; else pointers
+    POINTERS = "pointers"  # per-thread addresses, asynchronous copies (portable: every device, the interpreter)
+    TMA = "tma"            # two tensor-descriptor loads (Hopper's copy engine); ValueError where it cannot run
 
 
 class AttentionMode(str, enum.Enum):

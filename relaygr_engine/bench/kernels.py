@@ -219,10 +219,13 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
-              block_m: Optional[int] = None, kv_dtype: str = "model") -> dict:
+              block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto") -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
-    dtype's pages, ``kv8_err`` against them)."""
+    dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
+    autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
+    the configs the autotuner kept."""
+    from relaygr_engine.kernels._prefix_config import autotuned_choices
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
@@ -236,7 +239,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
-    run = lambda a, k, p: prefix_attention(**a, **k, persistent=persistent, plan=p)  # noqa: E731
+    run = lambda a, k, p, r=page_reads: prefix_attention(**a, **k, persistent=persistent, plan=p,  # noqa: E731
+                                                         page_reads=r)
     used_m = plan.block_m
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
@@ -245,7 +249,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     err = float((out.float() - base.float()).abs().max())
 
     t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
+    chosen = autotuned_choices()
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
+    both = device.type == "cuda" and page_reads == "auto" and torch.cuda.get_device_capability(device)[0] >= 9
+    t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
     reset_autotuning()
     t_full = _time(lambda: run(rargs, rkw, rplan), device, warmup, iters)
@@ -257,7 +264,9 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
                speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3, max_abs_err=err,
-               gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense")
+               gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense", autotuned=chosen)
+    if t_ptr is not None:
+        row.update(pointers_ms=t_ptr * 1e3, tma_gain=t_ptr / t_paged)
     if kv_dtype != "model":
         from relaygr_engine import quant
         from relaygr_engine.config import KVDtype
@@ -312,6 +321,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "64,128 (each shape runs once per value)")
     ap.add_argument("--kv-dtype", default="model", choices=("model", "int8", "fp8_e4m3"),
                     help="also time each shape's pages in this 8-bit format (kv8_ms, kv8_speedup; fp8 on CUDA only)")
+    ap.add_argument("--page-reads", default="auto", choices=("auto", "pointers", "tma"),
+                    help="full key blocks through pointers, tensor descriptors (TMA, sm_90+), or both autotuned "
+                         "(auto; on sm_90+ the pointer reads alone are timed too: tma_gain)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     opts = ap.parse_args(argv)
 
@@ -350,8 +362,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(head)
     rows = []
     for shape, block_m in itertools.product(shapes, block_ms):
-        r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent, block_m=block_m,
-                      kv_dtype=opts.kv_dtype)
+        try:
+            r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
+                          block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads)
+        except ValueError as exc:  # a shape this device or --page-reads cannot run
+            print(f"error: {shape.name}: {exc}", file=sys.stderr)
+            return 2
         rows.append(r)
         line = (f"{shape.name:<62} {r['block_m']:>4} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
                 f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -375,6 +391,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if opts.kv_dtype != "model":
         summary.update(kv_dtype=opts.kv_dtype, geomean_kv8_speedup=geo([r["kv8_speedup"] for r in rows]),
                        max_kv8_err=max(r["kv8_err"] for r in rows))
+    if any("tma_gain" in r for r in rows):
+        summary["geomean_tma_gain"] = geo([r["tma_gain"] for r in rows if "tma_gain" in r])
     if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
         for bm in block_ms:
             picked = [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"]

@@ -60,6 +60,7 @@ class Config:
     num_stages: int
     persistent: bool = False
     kv_dtype: str = "model"   # "int8" / "fp8_e4m3": 8-bit pages (relaygr_engine.quant)
+    tma: bool = False         # full key blocks through a tensor descriptor (sm_90+), not pointers
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,11 @@ def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
                       cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model",
-                      hist_table: bool = True):
+                      hist_table: bool = True, tma: bool = False):
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
-    (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``). History tiles read their bias
-    from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the kernel."""
+    (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``), full key blocks read through
+    pointers or (``tma``) tensor descriptors. History tiles read their bias from the bias table (``hist_table``,
+    the launcher's choice within its budget) or compute it in the kernel."""
     import torch
 
     from relaygr_engine import quant
@@ -167,8 +169,13 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       HIST_TABLE=biased and hist_table and not cand_tiles,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
                       KV8=KVDtype(kv_dtype).quantized,
-                      FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)))
+                      FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
+                      TMA_READS=int(tma))
     types = attention_types("*" + dtype)
+    if tma:
+        types["kv_desc"] = f"tensordesc<{dtype}[{block_n}, {head_dim}]>"
+    else:
+        constexprs["kv_desc"] = None
     if constexprs["KV8"]:
         types["kv_ptr"] = "*i8" if kv_dtype == "int8" else "*fp8e4nv"
     slots = quant.layer_shape(KVDtype(kv_dtype), 1, page_size, heads, head_dim)[2]
@@ -204,7 +211,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
                                    bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
-                                   hist_table=cfg.mode != "hstu-inkernel")
+                                   hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -212,9 +219,10 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
     return Build(cfg, regs, st, ld, smem, smem <= limit, whole, loop, time.perf_counter() - t0)
 
 
-def default_grid(head_dims, modes=MODES, dtype="bf16") -> list[Config]:
+def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True) -> list[Config]:
     """The configs the launcher can run on CUDA: per head dim, mode and tile kind, ``pick_config``'s rows per tile
-    and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default);
+    and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default; page
+    reads through pointers and, with ``tma`` (sm_90+) and pages in the model's dtype, tensor descriptors);
     ``hstu-inkernel`` for history tiles only (candidate tiles always read the bias table)."""
     import torch
 
@@ -228,8 +236,11 @@ def default_grid(head_dims, modes=MODES, dtype="bf16") -> list[Config]:
         biased = mode in BIASED
         rows = pick.block_m if cand else pick.hist_block_m
         kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
-                               CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu")
-        grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+                               CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu",
+                               PAGE_SIZE=page_size,
+                               TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
+        grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
+                        tma=c.kwargs["TMA"]) for c in kept]
     return grid
 
 
@@ -271,7 +282,8 @@ def _special_per_score(rows: list[Build]) -> dict:
 def _row(b: Build) -> str:
     c, w, lp = b.config, b.sass, b.loop
     return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
-            f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {b.registers:>5} "
+            f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {'y' if c.tma else 'n':>3} "
+            f"{b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
             f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4}")
@@ -295,6 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--stages", type=POSITIVE_INTS, default="2,3")
     ap.add_argument("--persistent", choices=("no", "yes", "both"), default="no",
                     help="build the one-tile-per-program kernel, the persistent one, or both")
+    ap.add_argument("--page-reads", choices=("pointers", "tma", "both"), default="pointers",
+                    help="full key blocks read through pointers, tensor descriptors (TMA, sm_90+), or both")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
@@ -329,15 +343,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not all(ok(v) for v in values):
             ap.error(f"--{name} must be {want}, got {values}")
     if opts.defaults:
-        grid = default_grid(dims, dtype=opts.dtype)
+        grid = default_grid(dims, dtype=opts.dtype, page_size=opts.page_size, kv_dtype=opts.kv_dtype,
+                            tma=opts.arch >= 90)
     else:
         kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
-        grid = [Config(*c) for c in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers)]
-    grid = [dataclasses.replace(c, kv_dtype=opts.kv_dtype) for c in grid]
+        reads = {"pointers": (False,), "tma": (True,), "both": (False, True)}[opts.page_reads]
+        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t)
+                for *c, t in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads)]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
           f"triton={triton.__version__} "
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
-    print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'regs':>5} "
+    print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
+          f"{'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
           f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []

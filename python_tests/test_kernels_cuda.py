@@ -1,0 +1,103 @@
+"""Prefix attention compiled on CUDA (bf16 and fp32; skipped without a CUDA device), and the split-prefix choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_problems import attention_kwargs, check_attention, gpu, make_problem, needs_cuda
+
+from relaygr_engine.kernels.prefix_attention import prefix_attention
+from relaygr_engine.kernels.reference import prefix_attention_ref
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefix_attention_bf16_cuda(mode, persistent):
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64)]
+    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 128)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    outs = [prefix_attention(**args, **kw, persistent=persistent, bias_table_bytes=b) for b in (None, 0)]
+    for out in outs:  # history tiles reading the bias table, and computing it in the kernel
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    # full key blocks through pointers only, and (sm_90+) through tensor descriptors only
+    reads = ["pointers"] + (["tma"] if torch.cuda.get_device_capability()[0] >= 9 else [])
+    for r in reads:
+        out = prefix_attention(**args, **kw, persistent=persistent, page_reads=r)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_page_reads_tma_before_sm90_is_refused():
+    if torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("this GPU runs TMA reads (sm_90+)")
+    args, bias = make_problem([(100, 4, 8)], 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page_reads='tma': needs sm_90 or later"):
+        prefix_attention(**args, mode="softmax", scale=0.1, page_reads="tma")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_prefix_attention_split_prefix_bf16_cuda(mode):
+    """A ranking's shape (one user, few rows, long prefix): the automatic split choice splits, and forced splits
+    agree with the reference."""
+    from relaygr_engine.kernels._split import pick_splits
+
+    users = [(4000, 64, 256)]
+    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 128)
+    assert pick_splits(torch.device("cuda"), 5 * 4, 4000) > 1
+    assert pick_splits(torch.device("cuda"), 5 * 4, 0) == 1  # nothing cached (a prefill): never split
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    for splits in (None, 3):
+        out = prefix_attention(**args, **kw, splits=splits)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_new_batch_shapes_compile_no_new_kernel_binary():
+    """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
+    the attention kernel and of the bias-table kernel."""
+    from relaygr_engine.kernels._bias_table import bias_table_kernel
+    from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
+
+    def binaries():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in (kernel, bias_table_kernel)]
+
+    for i, users in enumerate([[(4000, 64, 256)], [(3001, 17, 255)], [(4100, 1, 33)], [(2500, 48, 64)]]):
+        args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16, seed=i)
+        kw = attention_kwargs("hstu", bias, 128)
+        prefix_attention(**args, **kw, splits=3)
+        if i == 0:
+            first = binaries()
+    assert binaries() == first
+
+
+@gpu
+@needs_cuda
+def test_prefix_attention_fp32_cuda_ieee():
+    args, bias = make_problem([(300, 20, 100), (64, 1, 3)], 32, 2, 64, device="cuda")
+    check_attention(args, attention_kwargs("hstu", bias, 64), persistent=False)
+    check_attention(args, attention_kwargs("softmax", bias, 64), persistent=True)
+
+
+def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monkeypatch):
+    from relaygr_engine.kernels import _split
+
+    monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
+    cuda = torch.device("cuda", 0)
+    assert _split.pick_splits(cuda, 24, 3968) == 7           # 24 programs on 132 cores: 3968 // 512 keys-limited
+    assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
+    assert _split.pick_splits(cuda, 24, 511) == 1            # too few cached keys per split
+    assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
+    assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
+    assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
+    assert _split.pick_splits(torch.device("cpu"), 1, 0, splits=4) == 4
+    for bad in (0, 33, True, 2.0):
+        with pytest.raises(ValueError, match="splits must be an integer in"):
+            _split.pick_splits(cuda, 24, 3968, splits=bad)

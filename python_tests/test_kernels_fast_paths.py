@@ -1,0 +1,94 @@
+"""CUDA's fast paths of the prefix-attention kernel, checked exact in Triton's interpreter: HSTU's SiLU through a
+tanh (``FAST_SILU``, with its PTX tanh swapped for an exact one) and full key blocks read through a tensor descriptor
+(``page_reads="tma"``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from kernel_problems import attention_kwargs, check_attention, make_problem, needs_interpreter
+
+
+@triton.jit
+def _tanh_exact(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _tanh_wrong(x):
+    return x * 0.0
+
+
+@needs_interpreter
+def test_fast_silu_form_is_exact_with_an_exact_tanh(monkeypatch):
+    """CUDA's 16-bit path (``FAST_SILU``: ``SiLU(x) = h + h tanh(h)``, ``h = x / 2``, with the bias halved in the
+    table, in the kernel's own bias terms and in a candidate's self term) gives the reference's result when its
+    PTX tanh is swapped for an exact one: every bias path (table, in-kernel, split) agrees within 1e-4. A wrong tanh
+    fails it, so the fast form is the one that ran."""
+    from relaygr_engine.kernels import _prefix_kernel as K, prefix_attention as pa
+
+    monkeypatch.setattr(pa, "_fast_silu", lambda device, dtype: True)
+    args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, 32, seed=5)
+    kw = attention_kwargs("hstu", bias, 32)
+    monkeypatch.setattr(K, "_tanh_approx", _tanh_exact)
+    for budget, splits in ((None, 1), (0, 1), (None, 3)):
+        check_attention(args, kw, persistent=splits == 3, block_m=16, block_n=16, splits=splits,
+                        bias_table_bytes=budget)
+    monkeypatch.setattr(K, "_tanh_approx", _tanh_wrong)
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, block_m=16, block_n=16)
+
+
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_page_reads_through_a_tensor_descriptor_match_pointer_reads(mode, monkeypatch):
+    """``page_reads="tma"``: full key blocks come through a tensor descriptor over the pages (rows ``[pages * 2 *
+    page_size, H * D]``), a user's masked last block through pointers; the result is the reference's within 1e-4,
+    with one or several key blocks per page, split or not. A descriptor over zeroed pages changes it, so the
+    descriptor is what the full blocks read."""
+    from relaygr_engine.kernels import _prefix_config as K, prefix_attention as pa
+
+    users = [(100, 5, 7), (64, 0, 3), (0, 9, 2), (33, 4, 0)]
+    args, bias = make_problem(users, 32, 2, 32, seed=3)
+    kw = attention_kwargs(mode, bias, 32)
+    seen = []
+    real = K.page_reads
+    monkeypatch.setattr(pa, "pick_page_reads", lambda *a, **k: seen.append(real(*a, **k)[0]) or real(*a, **k))
+    for block_n, splits in ((16, 1), (32, 1), (16, 3)):
+        check_attention(args, kw, persistent=splits > 1, block_m=16, block_n=block_n, splits=splits,
+                        page_reads="tma")
+    assert seen == [K.TMA_ONLY] * 3
+    check_attention(args, kw, persistent=False, block_m=16, block_n=16)  # auto: pointers in the interpreter
+    assert seen[-1] == K.TMA_OFF
+
+    def zeroed(choice, kv_cache, **k):
+        return real(choice, torch.zeros_like(kv_cache), **k)
+
+    monkeypatch.setattr(pa, "pick_page_reads", zeroed)
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, block_m=16, block_n=16, page_reads="tma")
+
+
+@needs_interpreter
+def test_page_reads_tma_refuses_what_it_cannot_read():
+    """``page_reads="tma"`` names why it cannot run, before any launch; a bad spelling lists the choices."""
+    from relaygr_engine import quant
+    from relaygr_engine.kernels.prefix_attention import prefix_attention
+
+    args, bias = make_problem([(40, 2, 3)], 16, 2, 48)
+    kw = dict(mode="softmax", scale=0.1)
+    with pytest.raises(ValueError, match="page_reads='tma': the head dim must be a power of two >= 16, got 48"):
+        prefix_attention(**args, **kw, page_reads="tma")
+    args, bias = make_problem([(40, 2, 3)], 16, 2, 32)
+    with pytest.raises(ValueError, match=r"page_reads='tma': page_size must be a multiple of the key block \(32\), "
+                                         "got 16"):
+        prefix_attention(**args, **kw, block_n=32, page_reads="tma")
+    pages = torch.zeros(quant.layer_shape(quant.KVDtype.INT8, args["kv_cache"].shape[0], 16, 2, 32),
+                        dtype=torch.uint8)
+    with pytest.raises(ValueError, match="page_reads='tma': kv_dtype='int8' pages are read through pointers"):
+        prefix_attention(**dict(args, kv_cache=pages), **kw, block_n=16, kv_dtype="int8", page_reads="tma")
+    with pytest.raises(ValueError, match="page_reads must be one of 'auto', 'pointers', 'tma', got 'dma'"):
+        prefix_attention(**args, **kw, page_reads="dma")
