@@ -347,3 +347,23 @@ def test_bench_kernels_smoke(tmp_path, capsys):
     assert sorted(r["block_m"] for r in rows) == [16, 32] and all(r["max_abs_err"] <= ATOL for r in rows)
     with pytest.raises(SystemExit):
         bench.main(["--block-m", "24"])
+    with pytest.raises(SystemExit):
+        bench.main(["--head-dims", "48"])  # no shape has it
+
+    # runs split between calls (e.g. per head dim), joined by --summarize: the RESULT of all their rows
+    parts = [tmp_path / f"{m}.json" for m in ("softmax", "hstu")]
+    for m, part in zip(("softmax", "hstu"), parts):
+        assert bench.main(["--modes", m, "--head-dims", "32", "--json", str(part)]) == 0
+    capsys.readouterr()
+    joined = tmp_path / "all.json"
+    assert bench.main(["--summarize", *map(str, parts), "--json", str(joined)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("RESULT ") and "shapes=2" in last and "geomean_speedup_vs_sdpa=" in last
+    rows = json.loads(joined.read_text())["rows"]
+    assert sorted(r["mode"] for r in rows) == ["hstu", "softmax"]
+    other = json.loads(parts[1].read_text())
+    other["summary"]["dtype"] = "bfloat16"
+    parts[1].write_text(json.dumps(other))
+    assert bench.main(["--summarize", *map(str, parts)]) == 2
+    assert "summarise runs of one setting" in capsys.readouterr().err
+    assert bench.main(["--summarize", str(tmp_path / "missing.json")]) == 2

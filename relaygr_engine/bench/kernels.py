@@ -32,7 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cli_args import ArgumentParser
+from ..cli_args import POSITIVE_INTS, ArgumentParser
+from . import kernels_summary as S
 from .common import percentile
 
 __all__ = ["main", "Shape", "GPU_SHAPES", "CPU_SHAPES"]
@@ -305,10 +306,6 @@ def _prepare_device(name: str) -> tuple[Optional[torch.device], str]:
     return device, ""
 
 
-def _fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = ArgumentParser(prog="relaygr bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto (cuda if present, else cpu interpreter) | cpu | cuda | npu")
@@ -324,8 +321,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--page-reads", default="auto", choices=("auto", "pointers", "tma"),
                     help="full key blocks through pointers, tensor descriptors (TMA, sm_90+), or both autotuned "
                          "(auto; on sm_90+ the pointer reads alone are timed too: tma_gain)")
+    ap.add_argument("--head-dims", type=POSITIVE_INTS, default=None,
+                    help="only the shapes of these head dims (e.g. one call per head dim where time per call is "
+                         "limited; --summarize joins their --json outputs)")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON",
+                    help="run nothing: print the table and RESULT line of these --json outputs of one device and "
+                         "dtype together (and with --json write them as one)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     opts = ap.parse_args(argv)
+    if opts.summarize:
+        try:
+            rows, meta = S.load_rows(opts.summarize)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return _report(rows, S.summarize(rows, **meta), opts.json)
 
     device, problem = _prepare_device(opts.device)
     if device is None:
@@ -348,18 +358,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
-    shapes = [s for s in (CPU_SHAPES if cpu else GPU_SHAPES) if s.mode in modes]
+    shapes = [s for s in (CPU_SHAPES if cpu else GPU_SHAPES)
+              if s.mode in modes and (opts.head_dims is None or s.head_dim in opts.head_dims)]
+    if not shapes:
+        ap.error(f"no shape has a head dim in {opts.head_dims} (they have "
+                 f"{sorted({s.head_dim for s in (CPU_SHAPES if cpu else GPU_SHAPES)})})")
 
     if cpu:
         print("CPU: Triton interpreter smoke run (fp32, tiny shapes). Timings measure the numpy interpreter, "
               "not a device; run on CUDA/NPU for performance numbers.")
     print(f"device={device} dtype={str(dtype).replace('torch.', '')} persistent={opts.persistent} "
           f"warmup={warmup} iters={iters}")
-    head = (f"{'shape':<62} {'BM':>4} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
-            f"{'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
-    if device.type == "cuda":
-        head += f" {'%matmul':>8} {'vs_flashinfer':>13}"
-    print(head)
+    print(S.header(device.type == "cuda"))
     rows = []
     for shape, block_m in itertools.product(shapes, block_ms):
         try:
@@ -369,48 +379,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2
         rows.append(r)
-        line = (f"{shape.name:<62} {r['block_m']:>4} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
-                f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
-                f"{100 * r['paged_overhead']:>8.1f}% {r['plan_ms']:>8.3f} {r['max_abs_err']:>8.1e}")
-        if device.type == "cuda":
-            fi = r["speedup_vs_flashinfer"]
-            line += (f" {100 * r['matmul_fraction']:>7.1f}% "
-                     f"{(_fmt(fi) + 'x') if fi is not None else r['flashinfer_note'][:13]:>13}")
-        print(line)
-    print("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over "
-          "the paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive "
-          "pages; plan_ms: building the tile schedule (once per forward, not included in ms).")
+        print(S.row_line(r))
+    return _report(rows, S.summarize(rows, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                                     kv_dtype=opts.kv_dtype), opts.json, printed=True)
 
-    geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")  # noqa: E731
-    sm = [r["speedup_vs_gathered"] for r in rows if r["mode"] == "softmax"]
-    summary = dict(device=str(device), interpreter=int(cpu), dtype=str(dtype).replace("torch.", ""), shapes=len(rows),
-                   max_abs_err=max(r["max_abs_err"] for r in rows),
-                   min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=geo(sm) if sm else None,
-                   geomean_speedup_vs_recompute=geo([r["speedup_vs_recompute"] for r in rows]),
-                   max_paged_overhead=max(r["paged_overhead"] for r in rows))
-    if opts.kv_dtype != "model":
-        summary.update(kv_dtype=opts.kv_dtype, geomean_kv8_speedup=geo([r["kv8_speedup"] for r in rows]),
-                       max_kv8_err=max(r["kv8_err"] for r in rows))
-    if any("tma_gain" in r for r in rows):
-        summary["geomean_tma_gain"] = geo([r["tma_gain"] for r in rows if "tma_gain" in r])
-    if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
-        for bm in block_ms:
-            picked = [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"]
-            summary[f"geomean_speedup_vs_sdpa_bm{bm}"] = geo(picked) if picked else None
-            summary[f"geomean_ms_bm{bm}"] = geo([r["time_ms"] for r in rows if r["block_m"] == bm])
-    if device.type == "cuda":
-        summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
-        # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
-        # measured in this run for its own FLOPs).
-        long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
-        for m in modes:
-            picked = [r["matmul_fraction"] for r in long if r["mode"] == m]
-            summary[f"matmul_fraction_long_{m}"] = geo(picked) if picked else None
-    if opts.json:
-        with open(opts.json, "w") as f:
+
+def _report(rows: list[dict], summary: dict, json_path: Optional[str], printed: bool = False) -> int:
+    """The table (unless ``printed`` as the run went), its note and the RESULT line; ``json_path``: also as JSON."""
+    if not printed:
+        print(S.header(all("matmul_fraction" in r for r in rows)))
+        for r in rows:
+            print(S.row_line(r))
+    print(S.NOTE)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(dict(summary=summary, rows=rows), f, indent=2)
-    fields = " ".join(f"{k}={_fmt(v, '.4g') if isinstance(v, float) else v}" for k, v in summary.items())
-    print(f"RESULT {fields}")
+    print(S.result_line(summary))
     return 0
 
 

@@ -1,0 +1,97 @@
+"""The table rows and the RESULT line of ``relaygr bench kernels``, from its result rows: printed as a run goes,
+or recomputed from the JSON of runs that split the shapes between them (``--summarize``, e.g. one call per head
+dim where a machine's time per call is limited)."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional
+
+__all__ = ["header", "load_rows", "row_line", "summarize"]
+
+NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
+        "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
+        "plan_ms: building the tile schedule (once per forward, not included in ms).")
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _geo(xs: list) -> Optional[float]:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def header(cuda: bool) -> str:
+    head = (f"{'shape':<62} {'BM':>4} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
+            f"{'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
+    return head + (f" {'%matmul':>8} {'vs_flashinfer':>13}" if cuda else "")
+
+
+def row_line(r: dict) -> str:
+    """One shape's line of the table (``%matmul`` and FlashInfer where the row has them: CUDA runs)."""
+    line = (f"{r['shape']:<62} {r['block_m']:>4} {r['time_ms']:>8.3f} {r['tflops']:>8.3g} {r['gbps']:>8.4g} "
+            f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
+            f"{100 * r['paged_overhead']:>8.1f}% {r['plan_ms']:>8.3f} {r['max_abs_err']:>8.1e}")
+    if "matmul_fraction" in r:
+        fi = r["speedup_vs_flashinfer"]
+        line += (f" {100 * r['matmul_fraction']:>7.1f}% "
+                 f"{(_fmt(fi) + 'x') if fi is not None else r['flashinfer_note'][:13]:>13}")
+    return line
+
+
+def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "model") -> dict:
+    """The RESULT fields of ``rows`` (one run's, or several runs' of one device and dtype)."""
+    cpu = device.startswith("cpu")
+    modes = sorted({r["mode"] for r in rows})
+    block_ms = sorted({r["block_m"] for r in rows})
+    sm = [r["speedup_vs_gathered"] for r in rows if r["mode"] == "softmax"]
+    summary = dict(device=device, interpreter=int(cpu), dtype=dtype, shapes=len(rows),
+                   max_abs_err=max(r["max_abs_err"] for r in rows),
+                   min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=_geo(sm),
+                   geomean_speedup_vs_recompute=_geo([r["speedup_vs_recompute"] for r in rows]),
+                   max_paged_overhead=max(r["paged_overhead"] for r in rows))
+    if kv_dtype != "model":
+        summary.update(kv_dtype=kv_dtype, geomean_kv8_speedup=_geo([r["kv8_speedup"] for r in rows]),
+                       max_kv8_err=max(r["kv8_err"] for r in rows))
+    if any("tma_gain" in r for r in rows):
+        summary["geomean_tma_gain"] = _geo([r["tma_gain"] for r in rows if "tma_gain" in r])
+    if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
+        for bm in block_ms:
+            summary[f"geomean_speedup_vs_sdpa_bm{bm}"] = _geo(
+                [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"])
+            summary[f"geomean_ms_bm{bm}"] = _geo([r["time_ms"] for r in rows if r["block_m"] == bm])
+    if all("matmul_fraction" in r for r in rows) and not cpu:
+        summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
+        # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
+        # measured in its run for its own FLOPs).
+        long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
+        for m in modes:
+            summary[f"matmul_fraction_long_{m}"] = _geo([r["matmul_fraction"] for r in long if r["mode"] == m])
+    return summary
+
+
+def result_line(summary: dict) -> str:
+    fields = " ".join(f"{k}={_fmt(v, '.4g') if isinstance(v, float) else v}" for k, v in summary.items())
+    return f"RESULT {fields}"
+
+
+def load_rows(paths: list[str]) -> tuple[list[dict], dict]:
+    """The rows of several ``--json`` outputs and their common ``device``/``dtype``/``kv_dtype``; ValueError when
+    a file is not one or the runs differ in those."""
+    rows, seen = [], {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            part, s = data["rows"], data["summary"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not the JSON of a bench kernels run: {exc}") from None
+        meta = dict(device=s["device"], dtype=s["dtype"], kv_dtype=s.get("kv_dtype", "model"))
+        if seen and meta != seen:
+            raise ValueError(f"{path} ran with {meta}, the first file with {seen}: summarise runs of one setting")
+        seen = meta
+        rows += part
+    if not rows:
+        raise ValueError("no rows in " + ", ".join(paths))
+    return rows, seen
