@@ -3,25 +3,28 @@ device and kind of tile, the CUDA autotune set and its pruning, the autotuned ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 
 from ..config import KVDtype, PageReads
+from ._bias_table import HIST_BIAS_TABLE_BYTES, table_bytes
 from ._prefix_kernel import prefix_attention_kernel
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes and launch shape of one call: rows of a candidate tile (``block_m``) and of a history tile
-    (``hist_block_m``), keys per block (``block_n=None``: autotuned on CUDA)."""
+    (``hist_block_m``; ``hist_fallback_m`` where the batch's history rows of the bias table would pass its budget),
+    keys per block (``block_n=None``: autotuned on CUDA)."""
 
     block_m: int
     block_n: Optional[int]
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     hist_block_m: Optional[int] = None
+    hist_fallback_m: Optional[int] = None
 
     def __post_init__(self):
         if self.hist_block_m is None:
@@ -35,12 +38,14 @@ INTERPRETER_BLOCK_N = 32
 NPU_BLOCK_M = 64
 NPU_BLOCK_N = 64
 # CUDA. Candidate tiles of 128 rows on 8 warps (two warp groups): each group owns 64 rows (one wgmma M on sm_90), so
-# a key block's K/V serve 128 candidates and no score is computed twice. History tiles of 64 rows: new history is
-# short, and the per-(row, key) bias of a 128-row tile spills at head dim 256. On 8 warps both groups of a 64-row
-# tile compute the same scores (``bench ptxas``: two special-function instructions per score where one suffices);
-# on 4 warps (one group) none is repeated, but its registers hold twice the state, which spills above head dim 128
-# (and at 128 with 64-key blocks when the bias is computed in the kernel). So history tiles autotune over both
-# where 4 warps compile spill-free, candidate tiles over 8. BLOCK_N and stages are autotuned over the configs that
+# a key block's K/V serve 128 candidates and no score is computed twice. History tiles of 64 rows up to head dim
+# 128: new history is short. On 8 warps both groups of a 64-row tile compute the same scores (``bench ptxas``: two
+# special-function instructions per score where one suffices); on 4 warps (one group) none is repeated, but its
+# registers hold twice the state, which spills above head dim 128 (and at 128 with 64-key blocks when the bias is
+# computed in the kernel). So history tiles autotune over both where 4 warps compile spill-free, candidate tiles
+# over 8. Above head dim 128 history tiles take 128 rows on 8 warps (no score repeated, spill-free while they read
+# HSTU's bias from the table), except in a batch whose history rows of the bias table would pass its budget: there
+# they compute the bias in the kernel, which spills at 128 rows, and take 64 (``CUDA_HIST_FALLBACK_M``). BLOCK_N and stages are autotuned over the configs that
 # compile spill-free (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16;
 # benchmarks/results/).
 # Each config reads full key blocks through pointers or, on sm_90+, through a tensor descriptor (TMA: the copy
@@ -48,6 +53,7 @@ NPU_BLOCK_N = 64
 # can run the autotuner measures both (``TMA_READS``, :func:`page_reads`).
 CUDA_BLOCK_M = 128
 CUDA_HIST_BLOCK_M = 64
+CUDA_HIST_FALLBACK_M = 64
 CUDA_NUM_WARPS = 8
 TMA_OFF, TMA_EITHER, TMA_ONLY = 0, 1, 2  # TMA_READS: which page reads the autotuner may pick
 
@@ -103,8 +109,11 @@ def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, blo
         return KernelConfig(block_m or INTERPRETER_BLOCK_M, block_n or INTERPRETER_BLOCK_N)
     if device.type == "npu":  # pragma: no cover - needs an Ascend host
         return KernelConfig(block_m or NPU_BLOCK_M, block_n or NPU_BLOCK_N)
+    wide = block_m is None and head_dim > 128  # 128-row history tiles where the table's rows fit its budget
     return KernelConfig(block_m or CUDA_BLOCK_M, block_n, num_warps=CUDA_NUM_WARPS if block_n else None,
-                        num_stages=2 if block_n else None, hist_block_m=block_m or CUDA_HIST_BLOCK_M)
+                        num_stages=2 if block_n else None,
+                        hist_block_m=CUDA_BLOCK_M if wide else block_m or CUDA_HIST_BLOCK_M,
+                        hist_fallback_m=CUDA_HIST_FALLBACK_M if wide else None)
 
 
 def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, page_size: int,
@@ -148,6 +157,18 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
     desc = TensorDescriptor(kv_cache.view(rows, heads * head_dim), [rows, heads * head_dim], [heads * head_dim, 1],
                             [key_block, head_dim])
     return reads, desc
+
+
+def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_key_len: int) -> int:
+    """Rows per history tile for a batch: ``cfg.hist_block_m``, or ``cfg.hist_fallback_m`` where ``num_tiles(m)``
+    history tiles of ``m`` rows would make the bias table's history rows pass their default budget
+    (:data:`~relaygr_engine.kernels._bias_table.HIST_BIAS_TABLE_BYTES`): those tiles compute the bias in the
+    kernel, which the taller tiles cannot do without spilling."""
+    m = cfg.hist_block_m
+    if cfg.hist_fallback_m is None or table_bytes(num_tiles(m) * m, max_key_len,
+                                                  cfg.block_n or CUDA_MAX_BLOCK_N) <= HIST_BIAS_TABLE_BYTES:
+        return m
+    return cfg.hist_fallback_m
 
 
 _autotuned = None

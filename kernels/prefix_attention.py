@@ -39,7 +39,7 @@ from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, p
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from ._prefix_config import (CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig, SPLIT_ALIGN, autotuned_kernel,
-                             page_reads as pick_page_reads, pick_config, reset_autotuning)
+                             history_tile_rows, page_reads as pick_page_reads, pick_config, reset_autotuning)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._split import merge_splits, pick_splits
@@ -134,10 +134,11 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
     indptr = torch.tensor(table.kv_indptr)
     seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
     prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
-    block_m = (cfg.hist_block_m, cfg.block_m)
-    tiles = ship(list(C.tile_table(seqlens.tolist(), table.num_candidates, block_m)), device)  # never waits
     max_key_len = int((prefix + seqlens).max()) if b else 0
-    return PrefixAttentionPlan(cfg.block_m, cfg.hist_block_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
+    hist = [n - c for n, c in zip(seqlens.tolist(), table.num_candidates)]
+    hist_m = history_tile_rows(cfg, lambda m: sum(C.cdiv(n, m) for n in hist), max_key_len)
+    tiles = ship(list(C.tile_table(seqlens.tolist(), table.num_candidates, (hist_m, cfg.block_m))), device)
+    return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
                                tiles[0], tiles[1],
                                max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)
 

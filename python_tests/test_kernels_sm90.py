@@ -197,3 +197,29 @@ def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
     assert kept(K.TMA_EITHER, page_size=32) == pointers + [c for c in twins if c[2] == 32]
     assert kept(K.TMA_EITHER, HEAD_DIM=256) == kept(K.TMA_OFF, HEAD_DIM=256) + [
         (True, *c[1:]) for c in kept(K.TMA_OFF, HEAD_DIM=256)]
+
+
+def test_history_tiles_take_128_rows_above_head_dim_128_while_the_bias_table_fits():
+    """Above head dim 128 a 64-row history tile on 8 warps computes every score twice and one on 4 warps spills,
+    so history tiles take 128 rows (spill-free reading HSTU's bias from the table), falling back to 64 in a batch
+    whose table rows would pass the budget (they compute the bias in the kernel, which spills at 128 rows)."""
+    import torch
+
+    from relaygr_engine.kernels import _prefix_config as K
+
+    cuda = torch.device("cuda")
+    cfg = K.pick_config(cuda, torch.bfloat16, 256)
+    assert (cfg.block_m, cfg.hist_block_m, cfg.hist_fallback_m) == (128, 128, 64)
+    small = K.pick_config(cuda, torch.bfloat16, 128)
+    assert (small.hist_block_m, small.hist_fallback_m) == (64, None)
+    mine = K.pick_config(cuda, torch.bfloat16, 256, block_m=64)  # a caller's tile height is kept
+    assert (mine.hist_block_m, mine.hist_fallback_m) == (64, None)
+
+    def tiles(users, rows):
+        return lambda m: users * -(-rows // m)
+
+    # a ranking at NVIDIA's shape: 4 users x 128 new rows over ~4.4K keys, 2.3 MB of table rows per user
+    assert K.history_tile_rows(cfg, tiles(4, 128), 4096 + 384) == 128
+    # full inference of 4 users x 8192 tokens: 256 tiles x 128 rows x ~8.3K keys x 4 B, far past 32 MiB
+    assert K.history_tile_rows(cfg, tiles(4, 8192), 8192) == 64
+    assert K.history_tile_rows(small, tiles(4, 8192), 8192) == 64  # no fallback: always its height

@@ -223,7 +223,10 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
     """The configs the launcher can run on CUDA: per head dim, mode and tile kind, ``pick_config``'s rows per tile
     and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default; page
     reads through pointers and, with ``tma`` (sm_90+) and pages in the model's dtype, tensor descriptors);
-    ``hstu-inkernel`` for history tiles only (candidate tiles always read the bias table)."""
+    ``hstu-inkernel`` for history tiles only (candidate tiles always read the bias table). Where history tiles
+    fall back to fewer rows in batches whose bias table would pass its budget (``hist_fallback_m``, above head dim
+    128), both heights: the taller reading the table (``hstu``), the shorter computing the bias
+    (``hstu-inkernel``), and both for modes without a bias."""
     import torch
 
     from relaygr_engine.kernels import _prefix_config as K
@@ -234,13 +237,17 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
             continue
         pick = K.pick_config(torch.device("cuda"), torch_dtype(dtype), d)
         biased = mode in BIASED
-        rows = pick.block_m if cand else pick.hist_block_m
-        kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
-                               CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu",
-                               PAGE_SIZE=page_size,
-                               TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
-        grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
-                        tma=c.kwargs["TMA"]) for c in kept]
+        heights = [pick.block_m if cand else pick.hist_block_m]
+        if not cand and pick.hist_fallback_m is not None:
+            heights = {"hstu": heights, "hstu-inkernel": [pick.hist_fallback_m]}.get(
+                mode, [pick.hist_fallback_m] + heights)
+        for rows in heights:
+            kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
+                                   CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu",
+                                   PAGE_SIZE=page_size,
+                                   TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
+            grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
+                            tma=c.kwargs["TMA"]) for c in kept]
     return grid
 
 

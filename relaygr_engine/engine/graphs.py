@@ -192,6 +192,7 @@ class GraphRunner:
 
     # ------------------------------------------------------------------------------------------ buckets
     def _new_bucket(self, key: GraphKey) -> _Bucket:
+        from ..kernels._prefix_config import history_tile_rows
         from ..kernels.prefix_attention import pick_config
 
         while len(self.buckets) >= self.config.max_graphs:
@@ -200,8 +201,9 @@ class GraphRunner:
         cache = self.state.cache
         R, S = key.history_rows + key.candidates, key.users + 1
         cfg = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1])
-        block_m = (cfg.hist_block_m, cfg.block_m)
-        # Per kind, the sum over segments of ceil(rows / block_m), at most.
+        # Per kind, the sum over segments of ceil(rows / block_m), at most; the plan's keys: key.prefix + R.
+        hist_m = history_tile_rows(cfg, lambda m: key.history_rows // m + S, key.prefix + R)
+        block_m = (hist_m, cfg.block_m)
         num_tiles = (key.history_rows // block_m[0] + S, key.candidates // block_m[1] + S)
         pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
         i32, i64 = torch.int32, torch.long
