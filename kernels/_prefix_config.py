@@ -189,6 +189,19 @@ def autotuned_kernel():
     """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
     global _autotuned
     if _autotuned is None:
-        _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS,
+        _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS, do_bench=_bench_config,
                                      prune_configs_by={"early_config_prune": prune_configs})(prefix_attention_kernel)
     return _autotuned
+
+
+# Each autotune candidate is timed over AUTOTUNE_REP_MS after AUTOTUNE_WARMUP_MS (Triton's default is 100 and 25):
+# a launch takes microseconds to a millisecond, so a few hundred runs already rank the configs, and a variant's up
+# to 16 candidates cost a warm-up well under a second instead of two.
+AUTOTUNE_WARMUP_MS = 5
+AUTOTUNE_REP_MS = 20
+
+
+def _bench_config(kernel_call, quantiles):
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
