@@ -5,6 +5,11 @@
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
+# Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
+#   1. STEPS="env tests-gpu kernels-d64-128"        2. STEPS="kernels-d256 kernels rank profile"
+#   3. STEPS="tiers sync ptxas"                      4+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+# `kernels` only joins the two parts' JSON (no GPU work), so it can also run afterwards on any machine.
+#
 # Steps: env tests-gpu kernels-d64-128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small
 # tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
