@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see test_kernels.py)
+if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see kernel_problems.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import relaygr_engine as rg  # noqa: E402

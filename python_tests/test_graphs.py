@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see test_kernels.py)
+if not torch.cuda.is_available():  # Triton reads this when it first decorates kernels (see kernel_problems.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import relaygr_engine as rg  # noqa: E402
 from relaygr_engine._host import Arena  # noqa: E402
 from relaygr_engine.engine.graphs import GraphRunner, bucket  # noqa: E402
 
-from test_engine import ATOL, assert_exact, candidates, history, make_engine, make_model  # noqa: E402
+from engine_helpers import ATOL, assert_exact, candidates, history, make_engine, make_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
