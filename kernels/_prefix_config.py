@@ -123,8 +123,8 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
 
     ``auto`` lets the autotuner pick on CUDA sm_90+ where TMA can run, and reads through pointers elsewhere (and
     with a fixed ``block_n``, which is not autotuned); ``tma`` raises ``ValueError`` where it cannot run: 8-bit
-    pages, a head dim not a power of two, a page not a whole number of key blocks, a GPU before sm_90 (the
-    interpreter runs it, for tests). ``kv_cache`` is contiguous (the launcher checks it)."""
+    pages, a head dim not a power of two, a cache not 16-byte aligned, a page not a whole number of key blocks, a
+    GPU before sm_90 (the interpreter runs it, for tests). ``kv_cache`` is contiguous (the launcher checks it)."""
     num_pages, _, _, heads, head_dim = kv_cache.shape
     device = kv_cache.device
     key_block = block_n or CUDA_MIN_BLOCK_N
@@ -136,6 +136,8 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
         why = f"kv_dtype={kv_dtype.value!r} pages are read through pointers"
     elif head_dim < 16 or head_dim & (head_dim - 1):
         why = f"the head dim must be a power of two >= 16, got {head_dim}"
+    elif kv_cache.data_ptr() % 16:
+        why = "kv_cache's data must start 16-byte aligned"
     elif page_size % key_block:
         why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
     elif rows >= 1 << 31:

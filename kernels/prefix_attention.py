@@ -256,7 +256,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         How full key blocks' K/V are read (:class:`~relaygr_engine.config.PageReads`): ``"auto"`` autotunes
         pointer reads against tensor-descriptor (TMA) reads on CUDA sm_90+ (pointers elsewhere); ``"tma"`` only
         the latter, and raises ``ValueError`` where they cannot run (8-bit pages, a head dim not a power of two, a
-        page not a whole number of key blocks, a GPU before sm_90).
+        page not a whole number of key blocks, a cache not 16-byte aligned, a GPU before sm_90).
 
     Returns
     -------

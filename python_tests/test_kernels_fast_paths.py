@@ -86,6 +86,10 @@ def test_page_reads_tma_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"page_reads='tma': page_size must be a multiple of the key block \(32\), "
                                          "got 16"):
         prefix_attention(**args, **kw, block_n=32, page_reads="tma")
+    shifted = torch.empty(args["kv_cache"].numel() + 1)[1:].view(args["kv_cache"].shape)  # 4 bytes off
+    shifted.copy_(args["kv_cache"])
+    with pytest.raises(ValueError, match="page_reads='tma': kv_cache's data must start 16-byte aligned"):
+        prefix_attention(**dict(args, kv_cache=shifted), **kw, block_n=16, page_reads="tma")
     pages = torch.zeros(quant.layer_shape(quant.KVDtype.INT8, args["kv_cache"].shape[0], 16, 2, 32),
                         dtype=torch.uint8)
     with pytest.raises(ValueError, match="page_reads='tma': kv_dtype='int8' pages are read through pointers"):
