@@ -52,7 +52,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a
 
 $PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
 step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
-step tests-gpu 300 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
+step tests-gpu 540 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 # The kernel first: its RESULT has matmul_fraction_long_{softmax,hstu} beside the matmul rate of the same run. Split
 # by head dim (each part compiles and autotunes its own variants: pointer and TMA page reads, 4 and 8 warps), so each
 # fits a time-limited call; `kernels` joins them (no GPU work: it can run anywhere on the two JSON files).
