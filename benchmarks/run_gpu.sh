@@ -6,11 +6,11 @@
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
 # Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
-#   1. STEPS="env tests-gpu kernels-d64-128"        2. STEPS="kernels-d256 kernels rank profile"
-#   3. STEPS="tiers sync ptxas"                      4+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
-# `kernels` only joins the two parts' JSON (no GPU work), so it can also run afterwards on any machine.
+#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"      3. STEPS="kernels-d256 rank profile"
+#   4. STEPS="tiers sync ptxas"         5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+# `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64-128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small
 # tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -37,7 +37,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64-128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -55,11 +55,12 @@ step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import 
 step tests-gpu 540 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
 # The kernel first: its RESULT has matmul_fraction_long_{softmax,hstu} beside the matmul rate of the same run. Split
 # by head dim (each part compiles and autotunes its own variants: pointer and TMA page reads, 4 and 8 warps), so each
-# fits a time-limited call; `kernels` joins them (no GPU work: it can run anywhere on the two JSON files).
-step kernels-d64-128 600 $PY -m relaygr_engine.cli bench kernels --head-dims 64,128 --json "${OUT_DIR}/kernels-d64-128.json"
-step kernels-d256 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256 --json "${OUT_DIR}/kernels-d256.json"
-step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64-128.json" \
-    "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
+# fits a time-limited call; `kernels` joins them (no GPU work: it can run anywhere on the parts' JSON files).
+for d in 64 128 256; do
+    step "kernels-d${d}" 600 $PY -m relaygr_engine.cli bench kernels --head-dims "${d}" --json "${OUT_DIR}/kernels-d${d}.json"
+done
+step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64.json" \
+    "${OUT_DIR}/kernels-d128.json" "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 # The 8-bit cache: the same shapes' pages in fp8 and int8 beside bf16 (kv8_speedup, kv8_err).
 step kernels-fp8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype fp8_e4m3 --json "${OUT_DIR}/kernels-fp8.json"
