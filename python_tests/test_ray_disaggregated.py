@@ -17,7 +17,7 @@ import relaygr_engine as rg
 from relaygr_engine.serving.ray_serve import ReplicaSpec
 
 from ray_local import server_port
-from test_ray_serve import _exact
+from serve_helpers import _exact
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 pytestmark = [pytest.mark.ray,

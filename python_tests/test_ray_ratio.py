@@ -23,7 +23,7 @@ from relaygr_engine.serving import wire
 
 from ray_local import serve_process, server_port
 from test_ray_disaggregated import CFG, SEED, candidates, history
-from test_ray_serve import _exact, _post
+from serve_helpers import _exact, _post
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 pytestmark = [pytest.mark.ray,
