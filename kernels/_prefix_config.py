@@ -2,6 +2,7 @@
 device and kind of tile, the CUDA autotune set and its pruning, the autotuned kernel."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -45,15 +46,14 @@ NPU_BLOCK_N = 64
 # computed in the kernel). So history tiles autotune over both where 4 warps compile spill-free, candidate tiles
 # over 8. Above head dim 128 history tiles take 128 rows on 8 warps (no score repeated, spill-free while they read
 # HSTU's bias from the table), except in a batch whose history rows of the bias table would pass its budget: there
-# they compute the bias in the kernel, which spills at 128 rows, and take 64 (``CUDA_HIST_FALLBACK_M``). BLOCK_N and stages are autotuned over the configs that
-# compile spill-free (``prune_configs``). Read off ``relaygr bench ptxas --defaults`` (sm_90, bf16;
-# benchmarks/results/).
+# they compute the bias in the kernel, which spills at 128 rows, and take 64 (``history_tile_rows``). BLOCK_N and
+# stages are autotuned over the configs that compile spill-free (``prune_configs``). Read off ``relaygr bench ptxas
+# --defaults`` (sm_90, bf16; benchmarks/results/).
 # Each config reads full key blocks through pointers or, on sm_90+, through a tensor descriptor (TMA: the copy
 # engine moves a block, no per-thread addresses): which is faster depends on the GPU and the variant, so where both
 # can run the autotuner measures both (``TMA_READS``, :func:`page_reads`).
 CUDA_BLOCK_M = 128
 CUDA_HIST_BLOCK_M = 64
-CUDA_HIST_FALLBACK_M = 64
 CUDA_NUM_WARPS = 8
 TMA_OFF, TMA_EITHER, TMA_ONLY = 0, 1, 2  # TMA_READS: which page reads the autotuner may pick
 
@@ -113,7 +113,7 @@ def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, blo
     return KernelConfig(block_m or CUDA_BLOCK_M, block_n, num_warps=CUDA_NUM_WARPS if block_n else None,
                         num_stages=2 if block_n else None,
                         hist_block_m=CUDA_BLOCK_M if wide else block_m or CUDA_HIST_BLOCK_M,
-                        hist_fallback_m=CUDA_HIST_FALLBACK_M if wide else None)
+                        hist_fallback_m=CUDA_HIST_BLOCK_M if wide else None)
 
 
 def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, page_size: int,
@@ -142,8 +142,8 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
         why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
     elif rows >= 1 << 31:
         why = f"the pages hold {rows} K/V rows, more than a descriptor's int32 coordinates reach"
-    elif device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        why = f"needs sm_90 or later, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    elif device.type == "cuda" and _capability(device.index)[0] < 9:
+        why = f"needs sm_90 or later, got sm_{''.join(map(str, _capability(device.index)))}"
     elif device.type not in ("cuda", "cpu"):
         why = f"not on {device.type}"
     if choice is PageReads.AUTO:
@@ -161,6 +161,12 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
     return reads, desc
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (None: the current one), read once per device."""
+    return torch.cuda.get_device_capability(index)
+
+
 def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_key_len: int) -> int:
     """Rows per history tile for a batch: ``cfg.hist_block_m``, or ``cfg.hist_fallback_m`` where ``num_tiles(m)``
     history tiles of ``m`` rows would make the bias table's history rows pass their default budget
@@ -171,6 +177,19 @@ def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_ke
                                                   cfg.block_n or CUDA_MAX_BLOCK_N) <= HIST_BIAS_TABLE_BYTES:
         return m
     return cfg.hist_fallback_m
+
+
+# Each autotune candidate is timed over AUTOTUNE_REP_MS after AUTOTUNE_WARMUP_MS (Triton's default is 100 and 25):
+# a launch takes microseconds to a millisecond, so a few hundred runs already rank the configs, and a variant's up
+# to 16 candidates cost a warm-up well under a second instead of two.
+AUTOTUNE_WARMUP_MS = 5
+AUTOTUNE_REP_MS = 20
+
+
+def _bench_config(kernel_call, quantiles):
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
 
 
 _autotuned = None
@@ -195,15 +214,3 @@ def autotuned_kernel():
                                      prune_configs_by={"early_config_prune": prune_configs})(prefix_attention_kernel)
     return _autotuned
 
-
-# Each autotune candidate is timed over AUTOTUNE_REP_MS after AUTOTUNE_WARMUP_MS (Triton's default is 100 and 25):
-# a launch takes microseconds to a millisecond, so a few hundred runs already rank the configs, and a variant's up
-# to 16 candidates cost a warm-up well under a second instead of two.
-AUTOTUNE_WARMUP_MS = 5
-AUTOTUNE_REP_MS = 20
-
-
-def _bench_config(kernel_call, quantiles):
-    from triton.testing import do_bench
-
-    return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
