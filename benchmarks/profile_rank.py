@@ -2,9 +2,13 @@
 
 8 layers, 4 heads x 256, bf16, a 4096-token history of which 3968 are cached, 256 candidates: prints the device
 kernels by total CUDA time, the host-side aten ops by CPU time (torch.profiler), and the engine's Python functions
-by cumulative time (cProfile), each for ``--calls`` warmed-up rankings.
+by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. With ``--cuda-profiler-window`` it runs
+one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else, for Nsight Compute to measure just
+that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times before):
 
     python benchmarks/profile_rank.py [--calls 5]
+    ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
+        python benchmarks/profile_rank.py --cuda-profiler-window
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from relaygr_engine.bench.common import synthetic_history
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--cuda-profiler-window", action="store_true",
+                    help="run one warmed-up ranking inside cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     args = ap.parse_args()
     L, new, C = 4096, 128, 256
     cfg = rg.GRModelConfig(attention="hstu", num_layers=8, hidden_dim=1024, num_heads=4, head_dim=256,
@@ -37,6 +43,12 @@ def main() -> None:
     for _ in range(3):
         rank()
     torch.cuda.synchronize()
+    if args.cuda_profiler_window:
+        torch.cuda.profiler.start()
+        rank()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     t0 = time.perf_counter()
     for _ in range(args.calls):
         rank()

@@ -6,12 +6,12 @@
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
 # Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
-#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"      3. STEPS="kernels-d256 rank profile"
+#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"      3. STEPS="kernels-d256 rank profile ncu"
 #   4. STEPS="tiers sync ptxas"         5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small
-# tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile ncu
+# rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
@@ -37,7 +37,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile ncu rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -69,6 +69,13 @@ step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
 step profile 300 $PY benchmarks/profile_rank.py
+# What bounds the prefix kernel in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
+# sections for each of its launches (16: history and candidate tiles of 8 layers), in one ranking after warm-up.
+# Needs ncu and access to the GPU's performance counters; says so and passes where ncu is missing.
+step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
+    ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    $PY benchmarks/profile_rank.py --cuda-profiler-window"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
 # copied serially vs layer-wise (layer l+1 on a side stream while layer l computes).
