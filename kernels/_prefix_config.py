@@ -66,8 +66,13 @@ def _fit_descriptor(nargs) -> None:
 
 CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_fit_descriptor)
                 for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
+# 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
+# spill (28 bytes at 2 stages, int8); 16-key blocks do not.
+NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False}, num_warps=CUDA_NUM_WARPS, num_stages=2,
+                              pre_hook=_fit_descriptor)
+CUDA_CONFIGS.append(NARROW_CONFIG)
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
-CUDA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)
+TMA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS if c.kwargs["TMA"])
 # Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
 SPLIT_ALIGN = 128
 # No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
@@ -82,17 +87,20 @@ def prune_configs(configs, named_args, **kwargs):
     candidate tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above
     head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel (no ``HIST_TABLE``)
     ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a bias (their table row
-    read per key block) 3 stages only above 128. Every other config of :data:`CUDA_CONFIGS` is kept, those reading
-    pages through a tensor descriptor as ``TMA_READS`` allows (the same rules: they compile as the pointer configs
-    do) when a key block lies in one page."""
+    read per key block) 3 stages only above 128; 8-bit pages with that in-kernel bias above head dim 128 only
+    :data:`NARROW_CONFIG`, which no other variant takes. Every other config of :data:`CUDA_CONFIGS` is kept, those
+    reading pages through a tensor descriptor as ``TMA_READS`` allows (the same rules: they compile as the pointer
+    configs do) when a key block lies in one page."""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
     biased = hstu and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
     row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
     cand_bias = biased and cand
     reads, page_size = meta.get("TMA_READS", TMA_OFF), meta.get("PAGE_SIZE", 0)
+    narrow = meta.get("KV8", False) and row_bias and head_dim > 128
     kept = [c for c in configs
-            if (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
+            if (c is NARROW_CONFIG) == narrow
+            and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
             and (c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and meta.get("BLOCK_M", 64) <= 64)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
@@ -127,7 +135,7 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
     GPU before sm_90 (the interpreter runs it, for tests). ``kv_cache`` is contiguous (the launcher checks it)."""
     num_pages, _, _, heads, head_dim = kv_cache.shape
     device = kv_cache.device
-    key_block = block_n or CUDA_MIN_BLOCK_N
+    key_block = block_n or TMA_MIN_BLOCK_N
     rows = num_pages * 2 * page_size
     why = None
     if choice is PageReads.POINTERS:

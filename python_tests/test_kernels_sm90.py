@@ -223,3 +223,18 @@ def test_history_tiles_take_128_rows_above_head_dim_128_while_the_bias_table_fit
     # full inference of 4 users x 8192 tokens: 256 tiles x 128 rows x ~8.3K keys x 4 B, far past 32 MiB
     assert K.history_tile_rows(cfg, tiles(4, 8192), 8192) == 64
     assert K.history_tile_rows(small, tiles(4, 8192), 8192) == 64  # no fallback: always its height
+
+
+def test_eight_bit_pages_take_16_key_blocks_where_32_spill():
+    """8-bit pages above head dim 128 with the bias computed in the kernel (history tiles past the table's budget):
+    only the 16-key config, the one whose compile does not spill there; no other variant is offered it."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    def kept(**meta):
+        return [(c.num_warps, c.kwargs["BLOCK_N"], c.num_stages)
+                for c in K.prune_configs(K.CUDA_CONFIGS, {}, HSTU=True, CAND_TILES=False, HAS_TS=True, **meta)]
+
+    assert kept(HEAD_DIM=256, KV8=True) == [(8, 16, 2)]
+    assert (8, 16, 2) not in kept(HEAD_DIM=256) + kept(HEAD_DIM=128, KV8=True) + kept(HEAD_DIM=256, KV8=True,
+                                                                                     HIST_TABLE=True)
+    assert K.CUDA_MAX_BLOCK_N == 64 and K.TMA_MIN_BLOCK_N == 32

@@ -244,7 +244,7 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
         for rows in heights:
             kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
                                    CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu",
-                                   PAGE_SIZE=page_size,
+                                   PAGE_SIZE=page_size, KV8=kv_dtype != "model",
                                    TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
             grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
                             tma=c.kwargs["TMA"]) for c in kept]
