@@ -29,7 +29,7 @@ from . import _common as C
 from ._bias import _rel_bias
 
 __all__ = ["HIST_BIAS_TABLE_BYTES", "bias_table", "bias_table_kernel", "hist_rows_fit", "history_column",
-           "history_rows", "table_bytes", "table_width"]
+           "history_rows", "rows_fit", "table_width"]
 
 BLOCK = 256  # columns per program
 # A row's width, and the column of a user's first new history key, are multiples of this many entries (64 bytes):
@@ -54,13 +54,13 @@ def hist_rows_fit(hist_tiles: torch.Tensor, block_m: int, max_key_len: int, bloc
     """Whether the rows of the history tiles ``hist_tiles`` fit ``budget`` bytes (None:
     :data:`HIST_BIAS_TABLE_BYTES`)."""
     rows = history_rows(hist_tiles, block_m)
-    return rows > 0 and table_bytes(rows, max_key_len, block_n) <= (HIST_BIAS_TABLE_BYTES if budget is None
-                                                                    else budget)
+    return rows > 0 and rows_fit(rows, max_key_len, block_n, budget)
 
 
-def table_bytes(rows: int, max_key_len: int, block_n: int) -> int:
-    """Bytes of ``rows`` rows of the table (fp32 entries, :func:`table_width` per row)."""
-    return rows * table_width(max_key_len, block_n) * 4
+def rows_fit(rows: int, max_key_len: int, block_n: int, budget: Optional[int] = None) -> bool:
+    """Whether ``rows`` rows of the table (fp32 entries, :func:`table_width` per row) take at most ``budget`` bytes
+    (None: :data:`HIST_BIAS_TABLE_BYTES`)."""
+    return rows * table_width(max_key_len, block_n) * 4 <= (HIST_BIAS_TABLE_BYTES if budget is None else budget)
 
 
 def table_width(max_key_len: int, block_n: int) -> int:

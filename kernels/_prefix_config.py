@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..config import KVDtype, PageReads
-from ._bias_table import HIST_BIAS_TABLE_BYTES, table_bytes
+from ._bias_table import rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 
 
@@ -150,7 +150,7 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
         why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
     elif rows >= 1 << 31:
         why = f"the pages hold {rows} K/V rows, more than a descriptor's int32 coordinates reach"
-    elif device.type == "cuda" and _capability(device.index)[0] < 9:
+    elif device.type == "cuda" and not tma_device(device):
         why = f"needs sm_90 or later, got sm_{''.join(map(str, _capability(device.index)))}"
     elif device.type not in ("cuda", "cpu"):
         why = f"not on {device.type}"
@@ -175,14 +175,18 @@ def _capability(index: Optional[int]) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def tma_device(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU that runs tensor-descriptor (TMA) page reads: sm_90 or later."""
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
 def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_key_len: int) -> int:
     """Rows per history tile for a batch: ``cfg.hist_block_m``, or ``cfg.hist_fallback_m`` where ``num_tiles(m)``
     history tiles of ``m`` rows would make the bias table's history rows pass their default budget
     (:data:`~relaygr_engine.kernels._bias_table.HIST_BIAS_TABLE_BYTES`): those tiles compute the bias in the
     kernel, which the taller tiles cannot do without spilling."""
     m = cfg.hist_block_m
-    if cfg.hist_fallback_m is None or table_bytes(num_tiles(m) * m, max_key_len,
-                                                  cfg.block_n or CUDA_MAX_BLOCK_N) <= HIST_BIAS_TABLE_BYTES:
+    if cfg.hist_fallback_m is None or rows_fit(num_tiles(m) * m, max_key_len, cfg.block_n or CUDA_MAX_BLOCK_N):
         return m
     return cfg.hist_fallback_m
 

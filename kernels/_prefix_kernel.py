@@ -44,13 +44,23 @@ BATCH_ARGS = ["num_work", "num_programs", "num_splits", "split_len", "total_q"]
 
 # ------------------------------------------------------------------------------------------------ biases
 @triton.jit
+def _silu_bias(bias, FAST_SILU: tl.constexpr):
+    """A bias computed in the kernel, in the units :func:`_attend` takes: halved with ``FAST_SILU`` (the bias table
+    is built halved, so its reads need nothing)."""
+    if FAST_SILU:
+        return bias * 0.5
+    return bias
+
+
+@triton.jit
 def _row_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr,
-              TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
+              TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr, FAST_SILU: tl.constexpr):
     """A history tile's bias ``[BLOCK_M, BLOCK_N]`` for rows at ``q_pos``/``t_q`` ``[BLOCK_M, 1]`` and a key block
-    at ``k_pos``/``t_k`` ``[BLOCK_N]``."""
-    return _rel_bias(q_pos, k_pos[None, :], t_q, t_k[None, :], pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
-                     num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS)
+    at ``k_pos``/``t_k`` ``[BLOCK_N]``, in the units :func:`_attend` takes (:func:`_silu_bias`)."""
+    return _silu_bias(_rel_bias(q_pos, k_pos[None, :], t_q, t_k[None, :], pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS),
+                      FAST_SILU)
 
 
 @triton.jit
@@ -73,15 +83,6 @@ def _tanh_approx(x):
     """``tanh(x)`` in one special-function instruction (PTX ``tanh.approx.f32``, sm_75+; relative error about
     2^-11): CUDA only."""
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _silu_bias(bias, FAST_SILU: tl.constexpr):
-    """A bias computed in the kernel, in the units :func:`_attend` takes: halved with ``FAST_SILU`` (the bias table
-    is built halved, so its reads need nothing)."""
-    if FAST_SILU:
-        return bias * 0.5
-    return bias
 
 
 @triton.jit
@@ -253,9 +254,8 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
         if TABLE:
             bias = _table_bias(tb_ptr, start + offs_n, offs_m, stride_tb, CAND_TILES)
         else:
-            bias = _silu_bias(_row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
-                                        num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE,
-                                        TS_ABS), FAST_SILU)
+            bias = _row_bias(q_pos, start + offs_n, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos,
+                             num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS, FAST_SILU)
     visible = (start + offs_n < hi)[None, :] if MASKED else 0
     return _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, vs, HSTU, BIAS, MASKED, DOT_PRECISION, KV8,
                    FAST_SILU)
@@ -379,9 +379,9 @@ def prefix_attention_kernel(
             if TABLE:
                 bias = _table_bias(tb_ptr, history_column(prefix_len) + idx, offs_m, stride_tb, CAND_TILES)
             elif BIAS:
-                bias = _silu_bias(_row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr,
-                                            ts_bounds_ptr, num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS,
-                                            TS_STEPS, TS_TABLE, TS_ABS), FAST_SILU)
+                bias = _row_bias(q_pos, prefix_len + idx, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr,
+                                 num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS, TS_STEPS, TS_TABLE, TS_ABS,
+                                 FAST_SILU)
             if CAND_TILES:
                 visible = k_ok[None, :]
             else:

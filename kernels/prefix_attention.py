@@ -135,9 +135,10 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
     seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
     prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
     max_key_len = int((prefix + seqlens).max()) if b else 0
-    hist = [n - c for n, c in zip(seqlens.tolist(), table.num_candidates)]
+    rows = seqlens.tolist()
+    hist = [n - c for n, c in zip(rows, table.num_candidates)]
     hist_m = history_tile_rows(cfg, lambda m: sum(C.cdiv(n, m) for n in hist), max_key_len)
-    tiles = ship(list(C.tile_table(seqlens.tolist(), table.num_candidates, (hist_m, cfg.block_m))), device)
+    tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
     return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
                                tiles[0], tiles[1],
                                max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)

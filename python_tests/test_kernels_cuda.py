@@ -5,6 +5,7 @@ import pytest
 import torch
 from kernel_problems import attention_kwargs, check_attention, gpu, make_problem, needs_cuda
 
+from relaygr_engine.kernels._prefix_config import tma_device
 from relaygr_engine.kernels.prefix_attention import prefix_attention
 from relaygr_engine.kernels.reference import prefix_attention_ref
 
@@ -24,7 +25,7 @@ def test_prefix_attention_bf16_cuda(mode, persistent):
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     # full key blocks through pointers only, and (sm_90+) through tensor descriptors only: each in one fixed config
     # (the autotuned calls above time both kinds but keep one), so this compiles two binaries, not two autotune sets
-    reads = ["pointers"] + (["tma"] if torch.cuda.get_device_capability()[0] >= 9 else [])
+    reads = ["pointers"] + (["tma"] if tma_device(torch.device("cuda")) else [])
     for r in reads:
         out = prefix_attention(**args, **kw, persistent=persistent, block_n=64, page_reads=r)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
@@ -33,7 +34,7 @@ def test_prefix_attention_bf16_cuda(mode, persistent):
 @gpu
 @needs_cuda
 def test_page_reads_tma_before_sm90_is_refused():
-    if torch.cuda.get_device_capability()[0] >= 9:
+    if tma_device(torch.device("cuda")):
         pytest.skip("this GPU runs TMA reads (sm_90+)")
     args, bias = make_problem([(100, 4, 8)], 64, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="page_reads='tma': needs sm_90 or later"):

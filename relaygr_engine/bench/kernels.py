@@ -226,7 +226,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
     the configs the autotuner kept."""
-    from relaygr_engine.kernels._prefix_config import autotuned_choices
+    from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
@@ -252,7 +252,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
     chosen = autotuned_choices()
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
-    both = device.type == "cuda" and page_reads == "auto" and torch.cuda.get_device_capability(device)[0] >= 9
+    both = page_reads == "auto" and tma_device(device)
     t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
     reset_autotuning()

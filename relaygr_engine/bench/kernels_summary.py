@@ -7,7 +7,7 @@ import json
 import math
 from typing import Optional
 
-__all__ = ["header", "load_rows", "row_line", "summarize"]
+__all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "

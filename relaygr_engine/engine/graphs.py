@@ -202,9 +202,9 @@ class GraphRunner:
         R, S = key.history_rows + key.candidates, key.users + 1
         cfg = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1])
         # Per kind, the sum over segments of ceil(rows / block_m), at most; the plan's keys: key.prefix + R.
-        hist_m = history_tile_rows(cfg, lambda m: key.history_rows // m + S, key.prefix + R)
-        block_m = (hist_m, cfg.block_m)
-        num_tiles = (key.history_rows // block_m[0] + S, key.candidates // block_m[1] + S)
+        tiles = lambda rows, m: rows // m + S  # noqa: E731
+        block_m = (history_tile_rows(cfg, lambda m: tiles(key.history_rows, m), key.prefix + R), cfg.block_m)
+        num_tiles = (tiles(key.history_rows, block_m[0]), tiles(key.candidates, block_m[1]))
         pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
         i32, i64 = torch.int32, torch.long
         specs = {"item_ids": (i64, (R,)), "positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)),
