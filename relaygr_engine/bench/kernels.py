@@ -26,46 +26,17 @@ import json
 import math
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
 
 from ..cli_args import POSITIVE_INTS, ArgumentParser
 from . import kernels_summary as S
-from .common import percentile
+from .device_timing import device_seconds as _time
+from .kernel_shapes import CPU_SHAPES, GPU_SHAPES, Shape, parse_shape
 
-__all__ = ["main", "Shape", "GPU_SHAPES", "CPU_SHAPES"]
-
-
-@dataclass(frozen=True)
-class Shape:
-    users: int
-    prefix: int          # cached tokens per user
-    new: int             # new history tokens per user
-    cands: int           # candidates per user
-    heads: int
-    head_dim: int
-    page_size: int
-    mode: str            # "softmax" | "hstu"
-
-    @property
-    def name(self) -> str:
-        return (f"{self.mode} B={self.users} P={self.prefix} n={self.new} C={self.cands} H={self.heads} "
-                f"D={self.head_dim} page={self.page_size}")
-
-    def visible_pairs(self) -> int:
-        """(query, key) pairs a user's rows see, times users."""
-        p, n, c = self.prefix, self.new, self.cands
-        return self.users * (n * p + n * (n + 1) // 2 + c * (p + n + 1))
-
-
-# Head dims 64 and 128 with 8 heads; 256 with 4 heads (NVIDIA's public HSTU inference configuration).
-GPU_SHAPES = [Shape(4, p, 32, c, 8 if d < 256 else 4, d, 64, m) for m in ("softmax", "hstu")
-              for p, c, d in ((4096, 256, 128), (4096, 1024, 64), (4096, 256, 256), (16384, 512, 128),
-                              (16384, 1024, 64), (16384, 1024, 256))]
-CPU_SHAPES = [Shape(2, 40, 5, 12, 2, 32, 16, m) for m in ("softmax", "hstu")]
+__all__ = ["main", "run_shape"]
 
 
 # ------------------------------------------------------------------------------------------------ problem set-up
@@ -147,35 +118,6 @@ def _dense_baseline(q, k, v, mask, rab, kw):
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":  # pragma: no cover - needs an Ascend host
-        torch.npu.synchronize()  # type: ignore[attr-defined]
-
-
-def _time(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    return percentile(times, 50)
-
-
 def _matmul_tflops(flops: float, device, dtype, warmup: int, iters: int) -> float:
     """TFLOP/s of a bf16 ``[4096, K] x [K, 4096]`` matmul with about ``flops`` FLOPs (the roofline reference)."""
     m = n = 4096
@@ -220,13 +162,16 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
-              block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto") -> dict:
+              block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
+              splits: Optional[int] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
-    the configs the autotuner kept."""
+    the configs the autotuner kept. ``splits``: programs per tile and head over the cached prefix (None: the
+    launcher's rule); the row's ``splits`` is the number used."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
+    from relaygr_engine.kernels._split import pick_splits
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = _problem(shape, device, dtype, contiguous=False)
@@ -240,9 +185,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
-    run = lambda a, k, p, r=page_reads: prefix_attention(**a, **k, persistent=persistent, plan=p,  # noqa: E731
-                                                         page_reads=r)
+    run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
+        **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s)
     used_m = plan.block_m
+    used_splits = pick_splits(device, plan.num_tiles * shape.heads, plan.max_prefix_len, splits)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
@@ -256,12 +202,13 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
     reset_autotuning()
-    t_full = _time(lambda: run(rargs, rkw, rplan), device, warmup, iters)
-    t_plan = _time(lambda: plan_of(args), device, warmup, iters)
+    t_full = _time(lambda: run(rargs, rkw, rplan, s=None), device, warmup, iters)  # no prefix: the launcher's rule
+    t_plan = _time(lambda: plan_of(args), device, warmup, iters, graph=False)  # host work: reads the device
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, time_ms=t_paged * 1e3,
+               tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
                speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3, max_abs_err=err,
@@ -324,6 +271,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--head-dims", type=POSITIVE_INTS, default=None,
                     help="only the shapes of these head dims (e.g. one call per head dim where time per call is "
                          "limited; --summarize joins their --json outputs)")
+    ap.add_argument("--shape", action="append", metavar="SPEC",
+                    help="run this shape instead of the built-in set, once per mode in --modes (repeatable): "
+                         "'B=1,P=3968,n=128,C=256,H=4,D=256' (users, cached prefix, new rows, candidates, heads, "
+                         "head dim; page=64 by default), e.g. one layer of a ranking at NVIDIA's HSTU shape")
+    ap.add_argument("--splits", default="auto",
+                    help="programs per tile and head over the cached prefix: auto (the launcher's rule) and/or a "
+                         "comma-separated list to compare, e.g. auto,1,7,15 (each shape runs once per value)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -345,21 +299,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [m for m in modes if m not in ("softmax", "hstu")]
     if bad:
         ap.error(f"--modes must name 'softmax' and/or 'hstu', got {bad}")
-    if opts.block_m == "auto":
-        block_ms = [None]
-    else:
-        try:
-            block_ms = [int(x) for x in opts.block_m.split(",") if x.strip()]
-        except ValueError:
-            block_ms = []
-        if not block_ms or any(b < 16 or b & (b - 1) for b in block_ms):
-            ap.error(f"--block-m must be 'auto' or powers of two >= 16, comma-separated, got {opts.block_m!r}")
+    block_ms = _int_list(ap, "--block-m", opts.block_m, lambda b: b >= 16 and not b & (b - 1), "powers of two >= 16")
+    from relaygr_engine.kernels._split import MAX_SPLITS
+
+    splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]")
+    custom = [_shape(ap, spec, m) for spec in opts.shape or () for m in modes]
     cpu = device.type == "cpu"
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
-    shapes = [s for s in (CPU_SHAPES if cpu else GPU_SHAPES)
-              if s.mode in modes and (opts.head_dims is None or s.head_dim in opts.head_dims)]
+    shapes = custom or [s for s in (CPU_SHAPES if cpu else GPU_SHAPES)
+                        if s.mode in modes and (opts.head_dims is None or s.head_dim in opts.head_dims)]
     if not shapes:
         ap.error(f"no shape has a head dim in {opts.head_dims} (they have "
                  f"{sorted({s.head_dim for s in (CPU_SHAPES if cpu else GPU_SHAPES)})})")
@@ -371,10 +321,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    for shape, block_m in itertools.product(shapes, block_ms):
+    for shape, block_m, n_splits in itertools.product(shapes, block_ms, splits):
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
-                          block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads)
+                          block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2
@@ -382,6 +332,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(S.row_line(r))
     return _report(rows, S.summarize(rows, device=str(device), dtype=str(dtype).replace("torch.", ""),
                                      kv_dtype=opts.kv_dtype), opts.json, printed=True)
+
+
+def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool], what: str) -> list:
+    """The comma-separated values of ``text``: None for 'auto', else integers (a usage error unless all are
+    ``what``)."""
+    values = []
+    for x in (t.strip() for t in text.split(",")):
+        if x == "auto":
+            values.append(None)
+        elif x.isdigit() and ok(int(x)):
+            values.append(int(x))
+        elif x:
+            values = []
+            break
+    if not values:
+        ap.error(f"{flag} must be 'auto' and/or {what}, comma-separated, got {text!r}")
+    return values
+
+
+def _shape(ap: ArgumentParser, spec: str, mode: str) -> Shape:
+    try:
+        return parse_shape(spec, mode)
+    except ValueError as exc:
+        ap.error(f"--shape: {exc}")
 
 
 def _report(rows: list[dict], summary: dict, json_path: Optional[str], printed: bool = False) -> int:

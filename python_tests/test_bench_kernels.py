@@ -1,0 +1,72 @@
+"""``relaygr bench kernels``' own shapes (``--shape``), its split-count comparison (``--splits``) and the device timer
+its figures come from (:mod:`relaygr_engine.bench.device_timing`). The built-in shapes' smoke run is in
+test_kernels.py."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from kernel_problems import ATOL, gpu, needs_cuda, needs_interpreter
+
+from relaygr_engine.bench.device_timing import device_seconds
+from relaygr_engine.bench.kernel_shapes import Shape, parse_shape
+
+
+def test_parse_shape_reads_every_field_and_names_what_is_wrong():
+    assert parse_shape("B=1,P=3968,n=128,C=256,H=4,D=256", "hstu") == Shape(1, 3968, 128, 256, 4, 256, 64, "hstu")
+    assert parse_shape("B=2 P=0 n=5 C=0 H=1 D=32 page=16", "softmax") == Shape(2, 0, 5, 0, 1, 32, 16, "softmax")
+    with pytest.raises(ValueError, match="lacks \\['D'\\]"):
+        parse_shape("B=1,P=64,n=1,C=2,H=1", "hstu")
+    with pytest.raises(ValueError, match="KEY=INTEGER .* got 'X=3'"):
+        parse_shape("B=1,P=64,n=1,C=2,H=1,D=32,X=3", "hstu")
+    with pytest.raises(ValueError, match="KEY=INTEGER .* got 'D=-1'"):
+        parse_shape("B=1,P=64,n=1,C=2,H=1,D=-1", "hstu")
+    with pytest.raises(ValueError, match="new \\+ candidates >= 1"):
+        parse_shape("B=1,P=64,n=0,C=0,H=1,D=32", "hstu")
+
+
+@needs_interpreter
+def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys):
+    from relaygr_engine.bench import kernels as bench
+
+    path = tmp_path / "k.json"
+    spec = "B=1,P=300,n=3,C=5,H=2,D=32,page=16"
+    assert bench.main(["--modes", "hstu,softmax", "--shape", spec, "--splits", "auto,3", "--json", str(path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "geomean_ms_s1=" in last and "geomean_ms_s3=" in last  # auto: no split in the interpreter
+    rows = json.loads(path.read_text())["rows"]
+    assert sorted((r["mode"], r["splits"]) for r in rows) == [("hstu", 1), ("hstu", 3), ("softmax", 1),
+                                                              ("softmax", 3)]
+    assert all(r["prefix"] == 300 and r["cands"] == 5 and r["max_abs_err"] <= ATOL for r in rows)
+    for bad in (["--shape", "B=1,P=64"], ["--splits", "0"], ["--splits", "33"], ["--splits", "two"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+    err = capsys.readouterr().err
+    assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto' and/or integers in [1, 32]" in err
+
+
+def test_device_seconds_on_the_cpu_is_the_median_wall_time():
+    calls = []
+    t = device_seconds(lambda: calls.append(1), torch.device("cpu"), warmup=2, iters=5)
+    assert len(calls) == 7 and 0 <= t < 1
+
+
+@gpu
+@needs_cuda
+def test_device_seconds_replays_a_captured_call_and_falls_back_where_capture_fails(caplog):
+    device = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=device)
+    seen = []
+
+    def step():
+        seen.append(1)
+        return x @ x
+
+    t = device_seconds(step, device, warmup=1, iters=10)
+    assert len(seen) == 2 and t > 0             # the warm-up and the capture ran Python; ten replays did not
+    host_read = lambda: float((x @ x).sum())    # noqa: E731 - a host read cannot be captured
+    with caplog.at_level(logging.WARNING, logger="relaygr_engine.bench.device_timing"):
+        assert device_seconds(host_read, device, warmup=1, iters=3) > 0
+    assert "cannot be captured in a CUDA graph" in caplog.text
