@@ -21,7 +21,7 @@ from . import _common as C
 
 __all__ = ["pick_splits", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
 
-MIN_SPLIT_KEYS = 512   # keys per split at least: below it a split's fixed cost outweighs the parallelism
+MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 32
 
 

@@ -93,9 +93,10 @@ def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monk
 
     monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
-    assert _split.pick_splits(cuda, 24, 3968) == 7           # 24 programs on 132 cores: 3968 // 512 keys-limited
+    assert _split.pick_splits(cuda, 24, 2000) == 7           # 24 programs on 132 cores: 2000 // 256 keys-limited
     assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
-    assert _split.pick_splits(cuda, 24, 511) == 1            # too few cached keys per split
+    assert _split.pick_splits(cuda, 12, 3968) == 15          # a ranking at NVIDIA's shape: 3968 // 256
+    assert _split.pick_splits(cuda, 24, 255) == 1            # too few cached keys per split
     assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
     assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
     assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
