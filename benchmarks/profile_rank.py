@@ -6,7 +6,7 @@ by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. With ``-
 one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else, for Nsight Compute to measure just
 that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times before):
 
-    python benchmarks/profile_rank.py [--calls 5]
+    python benchmarks/profile_rank.py [--calls 5] [--cuda-graphs]
     ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
         python benchmarks/profile_rank.py --cuda-profiler-window
 """
@@ -26,6 +26,9 @@ from relaygr_engine.bench.common import synthetic_history
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="rank through CUDA graphs (RelayEngine(cuda_graphs=True)), as bench rank's graph_cached_ms: "
+                         "the profile then shows the host work around each replay")
     ap.add_argument("--cuda-profiler-window", action="store_true",
                     help="run one warmed-up ranking inside cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     args = ap.parse_args()
@@ -35,7 +38,7 @@ def main() -> None:
     model = rg.build_ranker(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
     engine = rg.RelayEngine(model, rg.CacheConfig(device="cuda", page_size=64, num_pages=160, dtype=torch.bfloat16,
                                                   max_pinned_fraction=1.0, lease_ttl_s=3600.0),
-                            extend_on_rank=False)
+                            extend_on_rank=False, cuda_graphs=args.cuda_graphs)
     hist = synthetic_history(L, 10_000, seed=0)
     cands = torch.randint(0, 10_000, (C,), generator=torch.Generator().manual_seed(1))
     engine.prefill_prefix(1, hist.prefix(L - new))

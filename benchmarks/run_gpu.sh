@@ -10,7 +10,8 @@
 #   4. STEPS="tiers sync ptxas"         5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile ncu
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync
+# rank profile profile-graphs ncu
 # rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -37,7 +38,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels ptxas kernels-fp8 kernels-int8 sync rank profile ncu rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync rank profile profile-graphs ncu rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -61,6 +62,10 @@ for d in 64 128 256; do
 done
 step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64.json" \
     "${OUT_DIR}/kernels-d128.json" "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
+# One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
+# the launcher's split count (auto) beside fixed ones, each a CUDA-graph replay.
+step kernels-splits 300 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
+    --splits auto,1,7,15,31 --json "${OUT_DIR}/kernels-splits.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 # The 8-bit cache: the same shapes' pages in fp8 and int8 beside bf16 (kv8_speedup, kv8_err).
 step kernels-fp8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype fp8_e4m3 --json "${OUT_DIR}/kernels-fp8.json"
@@ -69,6 +74,7 @@ step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
 step profile 300 $PY benchmarks/profile_rank.py
+step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs
 # What bounds the prefix kernel in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
 # sections for each of its launches (16: history and candidate tiles of 8 layers), in one ranking after warm-up.
 # Needs ncu and access to the GPU's performance counters; says so and passes where ncu is missing.
