@@ -6,12 +6,14 @@
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
 # Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
-#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"      3. STEPS="kernels-d256 rank profile ncu"
-#   4. STEPS="tiers sync ptxas"         5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
+#   3. STEPS="kernels-d256 kernels-splits rank profile-graphs ncu ncu-kernel"  (about 7)
+#   4. STEPS="rank-compile tiers sync"   (ptxas: the static report, done on any machine with the wheel's ptxas)
+#   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync
-# rank profile profile-graphs ncu
+# rank rank-compile profile profile-graphs ncu ncu-kernel
 # rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -38,7 +40,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync rank profile profile-graphs ncu rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -53,7 +55,10 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a
 
 $PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
 step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
-step tests-gpu 540 $PY -m pytest -q -rs -m gpu python_tests -p no:cacheprovider
+# pytest-xdist where installed: the CUDA tests' time is mostly Triton compiling each autotuned config, which
+# parallelises over the CPU cores (the GPU work is small).
+xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+step tests-gpu 540 $PY -m pytest -q -rs ${xdist} -m gpu python_tests -p no:cacheprovider
 # The kernel first: its RESULT has matmul_fraction_long_{softmax,hstu} beside the matmul rate of the same run. Split
 # by head dim (each part compiles and autotunes its own variants: pointer and TMA page reads, 4 and 8 warps), so each
 # fits a time-limited call; `kernels` joins them (no GPU work: it can run anywhere on the parts' JSON files).
@@ -73,6 +78,10 @@ step kernels-int8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype int8 --
 step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
+# The same with the whole model compiled (torch.compile) on every path: fewer, fused kernels per graph.
+step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
+    --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \
+    --json "${OUT_DIR}/rank-compile.json"
 step profile 300 $PY benchmarks/profile_rank.py
 step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs
 # What bounds the prefix kernel in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
@@ -82,6 +91,12 @@ step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step s
     ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
     $PY benchmarks/profile_rank.py --cuda-profiler-window"
+# The same sections for the long HSTU shape of bench kernels at head dim 256 (4 users x 16384 cached keys, 1056 rows
+# each): whether the kernel is bound by memory (K/V re-read by the candidate tiles of a user) or by issue.
+step ncu-kernel 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
+    ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    $PY benchmarks/profile_kernel.py"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
 # copied serially vs layer-wise (layer l+1 on a side stream while layer l computes).
@@ -101,7 +116,6 @@ step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nv
     --no-progress --out "${OUT_DIR}/slo-seeds"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.
-xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
 step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider
 step kernels-persistent 600 $PY -m relaygr_engine.cli bench kernels --persistent --json "${OUT_DIR}/kernels-persistent.json"
 

@@ -36,11 +36,11 @@ from . import kernels_summary as S
 from .device_timing import device_seconds as _time
 from .kernel_shapes import CPU_SHAPES, GPU_SHAPES, Shape, parse_shape
 
-__all__ = ["main", "run_shape"]
+__all__ = ["main", "problem", "run_shape"]
 
 
 # ------------------------------------------------------------------------------------------------ problem set-up
-def _problem(shape: Shape, device, dtype, *, contiguous: bool, seed: int = 0):
+def problem(shape: Shape, device, dtype, *, contiguous: bool, seed: int = 0):
     """Kernel arguments for ``shape``: pages shuffled across the pool, or each user's pages consecutive."""
     g = torch.Generator().manual_seed(seed)
     b, p, n, c, h, d, ps = (shape.users, shape.prefix, shape.new, shape.cands, shape.heads, shape.head_dim,
@@ -74,7 +74,7 @@ def _recompute_problem(shape: Shape, device, dtype):
     """No cache: every user's prefix is recomputed as new history rows."""
     full = Shape(shape.users, 0, shape.prefix + shape.new, shape.cands, shape.heads, shape.head_dim,
                  shape.page_size, shape.mode)
-    args, kw = _problem(full, device, dtype, contiguous=True)
+    args, kw = problem(full, device, dtype, contiguous=True)
     if shape.mode == "hstu":
         kw["hstu_norm"] = float(shape.prefix + shape.new + 1)
     return args, kw
@@ -174,8 +174,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     from relaygr_engine.kernels._split import pick_splits
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
-    args, kw = _problem(shape, device, dtype, contiguous=False)
-    cargs, _ = _problem(shape, device, dtype, contiguous=True)
+    args, kw = problem(shape, device, dtype, contiguous=False)
+    cargs, _ = problem(shape, device, dtype, contiguous=True)
     rargs, rkw = _recompute_problem(shape, device, dtype)
     gq, gk, gv, mask, rab = _gathered(args, kw, shape)
 
