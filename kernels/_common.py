@@ -175,10 +175,22 @@ def describe(x) -> str:
     return type(x).__name__
 
 
+def rows_dense(x: torch.Tensor) -> bool:
+    """Whether each row ``x[i]`` is one dense run of memory (any stride between rows): e.g. ``q``, ``k`` and ``v``
+    split from one fused projection ``[T, H * (D_q + D_k + D_v)]`` and viewed as ``[T, H, D]``."""
+    step = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+
+
 def check_tensor(name: str, x, *, ndim: Optional[int] = None, shape: Optional[Sequence[Optional[int]]] = None,
                  dtypes: Optional[Iterable[torch.dtype]] = None, device: Optional[torch.device] = None,
-                 contiguous: bool = True) -> torch.Tensor:
-    """Check one tensor argument; ``None`` entries of ``shape`` match any size. Returns ``x``."""
+                 contiguous: bool = True, dense_rows: bool = False) -> torch.Tensor:
+    """Check one tensor argument; ``None`` entries of ``shape`` match any size; ``dense_rows``: instead of
+    ``contiguous``, each row dense (:func:`rows_dense`). Returns ``x``."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {describe(x)}")
     if shape is not None:
@@ -196,7 +208,12 @@ def check_tensor(name: str, x, *, ndim: Optional[int] = None, shape: Optional[Se
             raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
     if device is not None and x.device != device:
         raise ValueError(f"{name} must be on {device} (like the other inputs), got {x.device}")
-    if contiguous and not x.is_contiguous():
+    if dense_rows:
+        if not rows_dense(x):
+            want = [math.prod(x.shape[i + 1:]) for i in range(1, x.dim())]
+            raise ValueError(f"{name} must have dense rows (strides [*, {', '.join(map(str, want))}]; call "
+                             f".contiguous()), got strides {list(x.stride())}")
+    elif contiguous and not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {list(x.stride())}")
     return x
 

@@ -114,7 +114,7 @@ def kv_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         (``"int8"``, ``"fp8_e4m3"``): ``uint8 [num_pages, 2, page_size + S, H, D]`` (:mod:`relaygr_engine.quant`);
         rows are quantised, each with its own scale.
     k, v : Tensor [n, H, D]
-        The new tokens' keys and values (fp32/fp16/bf16).
+        The new tokens' keys and values (fp32/fp16/bf16); each row dense, rows at any stride.
     slot_mapping : int64 (or int32) Tensor [n]
         ``page_id * page_size + offset`` of each token; ``< 0`` skips the token (padding). Two tokens with one slot
         leave either row there (unspecified which).
@@ -137,9 +137,9 @@ def kv_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     page_size = quant.token_page_size(kd, slots, head_dim)
     if two != 2:
         raise ValueError(f"kv_cache must have shape [num_pages, 2, page_size, H, D], got {list(kv_cache.shape)}")
-    C.check_tensor("k", k, shape=(None, num_heads, head_dim), dtypes=C.FLOAT_DTYPES, device=device)
+    C.check_tensor("k", k, shape=(None, num_heads, head_dim), dtypes=C.FLOAT_DTYPES, device=device, dense_rows=True)
     n = k.shape[0]
-    C.check_tensor("v", v, shape=(n, num_heads, head_dim), dtypes=C.FLOAT_DTYPES, device=device)
+    C.check_tensor("v", v, shape=(n, num_heads, head_dim), dtypes=C.FLOAT_DTYPES, device=device, dense_rows=True)
     C.check_tensor("slot_mapping", slot_mapping, shape=(n,), dtypes=(torch.int64, torch.int32), device=device)
     if (ts is None) != (ts_cache is None):
         raise ValueError("give ts and ts_cache together (timestamps and where they go), or neither")

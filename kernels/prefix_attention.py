@@ -196,7 +196,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     Parameters
     ----------
     q, k, v : Tensor [total_q, H, D]
-        Per user, its new history rows then its candidates, user after user (fp32/fp16/bf16, one dtype).
+        Per user, its new history rows then its candidates, user after user (fp32/fp16/bf16, one dtype). Each row
+        dense, rows at any stride: views of one fused projection need no copy.
     kv_cache : Tensor [num_pages, 2, page_size, H, D]
         One layer's paged cache (index 0 = K, 1 = V), dtype of ``q``; with an 8-bit ``kv_dtype``
         ``uint8 [num_pages, 2, page_size + S, H, D]`` values and scale slots (:mod:`relaygr_engine.quant`).
@@ -272,11 +273,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     """
     mode = parse_choice(AttentionMode, mode, "mode")
     hstu = mode is AttentionMode.HSTU
-    C.check_tensor("q", q, ndim=3, dtypes=C.FLOAT_DTYPES)
+    C.check_tensor("q", q, ndim=3, dtypes=C.FLOAT_DTYPES, dense_rows=True)
     device = q.device
     total_q, num_heads, head_dim = q.shape
-    C.check_tensor("k", k, shape=q.shape, dtypes=(q.dtype,), device=device)
-    C.check_tensor("v", v, shape=q.shape, dtypes=(q.dtype,), device=device)
+    C.check_tensor("k", k, shape=q.shape, dtypes=(q.dtype,), device=device, dense_rows=True)
+    C.check_tensor("v", v, shape=q.shape, dtypes=(q.dtype,), device=device, dense_rows=True)
     kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
     C.check_tensor("kv_cache", kv_cache, shape=(None, 2, None, num_heads, head_dim),
                    dtypes=(quant.storage_dtype(kd, q.dtype),), device=device)

@@ -278,6 +278,29 @@ def _bad(args, **changes):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_views_of_one_projection_need_no_copy(mode):
+    """q, k and v split from one fused projection (dense rows, far apart) give the contiguous inputs' result, and
+    kv_write stores such k/v rows as it stores contiguous ones; rows that are not dense are refused."""
+    args, bias = make_problem([(40, 3, 5), (0, 2, 3), (17, 0, 4)], 16, 2, 32)
+    T = args["q"].shape[0]
+    fused = torch.cat([torch.randn(T, 7), *(args[n].reshape(T, -1) for n in ("q", "k", "v"))], 1)  # [T, 7 + 3 * 64]
+    views = {n: fused[:, 7 + 64 * i: 7 + 64 * (i + 1)].view(T, 2, 32) for i, n in enumerate(("q", "k", "v"))}
+    assert not views["q"].is_contiguous() and _common.rows_dense(views["q"])
+    kw = attention_kwargs(mode, bias, 32)
+    torch.testing.assert_close(prefix_attention(**{**args, **views}, **kw), prefix_attention(**args, **kw),
+                               atol=0, rtol=0)
+    slots = torch.arange(T, dtype=torch.int64) + 5
+    caches = [torch.zeros_like(args["kv_cache"]) for _ in range(2)]
+    kv_write(caches[0], views["k"], views["v"], slots)
+    kv_write(caches[1], args["k"], args["v"], slots)
+    assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0
+    swapped = args["k"].transpose(0, 1).contiguous().transpose(0, 1)           # rows not dense: strides [32, T*32, 1]
+    with pytest.raises(ValueError, match=r"k must have dense rows \(strides \[\*, 32, 1\]; call \.contiguous\(\)\)"):
+        kv_write(caches[0], swapped, args["v"], slots)
+
+
+@needs_interpreter
 def test_prefix_attention_rejects_bad_inputs():
     args, bias = make_problem([(20, 2, 3), (0, 1, 1)], 16, 2, 32)
     kw = dict(mode="softmax", scale=1.0)
