@@ -54,7 +54,8 @@ def _table_bucket(dt, bounds_ptr, num_bounds, TS_ABS: tl.constexpr, TS_STEPS: tl
 def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, num_pos, num_ts_bounds,
               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr,
               TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr):
-    """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` (fp32), broadcast over the shapes
+    """``pos_bias[clamp(q_pos - k_pos, 0, NP - 1)] + ts_bias[bucket(t_q - t_k)]`` in fp32 (the tables in any float
+    dtype: a model's bf16 parameters are read as they are, each entry widened exactly), broadcast over the shapes
     given: ``[BLOCK_M, BLOCK_N]`` for a history tile, a vector of keys for one query position and time (the
     bias table), a scalar for a candidate's own key.
     Every index is clamped into its table, so no load needs a mask."""
@@ -63,9 +64,9 @@ def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
             bucket = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
         else:
             bucket = _log2_bucket(t_q - t_k, TS_BITS)
-        b = tl.load(ts_bias_ptr + bucket)
+        b = tl.load(ts_bias_ptr + bucket).to(tl.float32)
         if HAS_POS:  # (started from the first term: 0.0 + x is an add the compiler must keep, for x = -0.0)
-            b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
+            b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1)).to(tl.float32)
     else:
-        b = tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1))
+        b = tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1)).to(tl.float32)
     return b

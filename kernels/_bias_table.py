@@ -142,7 +142,7 @@ def bias_table(user_rows: int, hist_tiles: Optional[torch.Tensor], block_m: int,
     tables : tuple of int32 Tensors
         ``(kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates)``.
     biases : (Tensor or None, Tensor or None)
-        ``pos_bias``/``ts_bias`` as fp32 (None: that term is off).
+        ``pos_bias``/``ts_bias``, contiguous, fp32/fp16/bf16 (read widened to fp32; None: that term is off).
     ts : (Tensor, Tensor, Tensor)
         ``ts_cache``, ``ts_q`` and the bucket steps (stand-ins where ``ts_bias`` is None or the term does not need
         them).

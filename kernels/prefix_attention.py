@@ -52,11 +52,12 @@ _prefix_attention_kernel = prefix_attention_kernel  # the name tests and ``relay
 
 # ------------------------------------------------------------------------------------------------------ launcher
 def _bias_table(name: str, table, device: torch.device) -> torch.Tensor:
-    """A 1-D floating bias table as contiguous fp32 (tables are tiny; the kernel reads fp32)."""
+    """A 1-D floating bias table, contiguous, as the kernels read it: fp32/fp16/bf16 as given (widened to fp32 where
+    read: no conversion kernel per layer for a bf16 model's parameters), float64 as fp32."""
     C.check_tensor(name, table, ndim=1, dtypes=C.FLOAT_DTYPES + (torch.float64,), device=device, contiguous=False)
     if table.numel() < 1:
         raise ValueError(f"{name} must have at least one entry")
-    return table.to(torch.float32).contiguous()
+    return (table.to(torch.float32) if table.dtype == torch.float64 else table).contiguous()
 
 
 def _dot_precision(dtype: torch.dtype, allow_tf32: bool):

@@ -125,7 +125,7 @@ def attention_types(pointer: str) -> dict:
     types["kvs_ptr"] = "*fp32"
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
-    types.update(pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64",
+    types.update(pos_bias_ptr=pointer, ts_bias_ptr=pointer, ts_cache_ptr="*i64", ts_q_ptr="*i64",  # a model's params
                  ts_bounds_ptr="*i64", bias_table_ptr="*fp32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32",
                  inv_norm="fp32")
     return types
