@@ -10,21 +10,16 @@ new history rows. The merge is exact up to fp32 rounding:
 * hstu: the sum is pointwise, so ``out = sum_s acc_s / N``;
 * softmax: ``M = max_s m_s``, ``w_s = 2 ** (m_s - M)``, ``out = sum_s w_s acc_s / sum_s w_s l_s`` (log2 domain, as
   the kernel keeps its running max).
-
-The merge is one launch (:func:`merge_splits`) that reads each partial once and writes the output in its dtype; its
-torch reference is :func:`~relaygr_engine.kernels.reference.merge_splits_ref`.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _common as C
 
-__all__ = ["pick_splits", "merge_splits", "merge_splits_kernel", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
+__all__ = ["pick_splits", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
 
 MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 32
@@ -48,67 +43,26 @@ def pick_splits(device: torch.device, num_work: int, max_prefix_len: int, splits
     return max(1, min(C.cdiv(2 * cores, num_work), max_prefix_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-MERGE_BLOCK_R = 16   # (row, head) pairs per merge program
-
-
-@triton.jit(do_not_specialize=["num_splits", "num_rows", "num_heads"])  # per batch: never a new binary
-def merge_splits_kernel(ws_ptr, ml_ptr, out_ptr, num_splits, num_rows, num_heads, stride_ot, stride_oh, inv_norm,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SOFTMAX: tl.constexpr):
-    """Merge ``BLOCK_R`` (row, head) pairs' partial states: ``ws`` [S, R, D] and (softmax) ``ml`` [S, R, 2], both
-    fp32 contiguous with ``R = total_q * H``, into ``out`` (rows ``r // H``, heads ``r % H``, its own strides)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
-    r_ok = r < num_rows
-    ok = r_ok[:, None] & (d < HEAD_DIM)[None, :]
-    part = r.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-    step = num_rows.to(tl.int64) * HEAD_DIM                 # one split's partial sums
-    num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    if SOFTMAX:
-        top = tl.full([BLOCK_R], -float("inf"), dtype=tl.float32)
-        for s in range(num_splits):                         # the largest running max of the splits
-            top = tl.maximum(top, tl.load(ml_ptr + (s * num_rows + r).to(tl.int64) * 2, mask=r_ok, other=0.0))
-        den = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for s in range(num_splits):
-            at = (s * num_rows + r).to(tl.int64) * 2
-            w = tl.exp2(tl.load(ml_ptr + at, mask=r_ok, other=0.0) - top)
-            den += w * tl.load(ml_ptr + at + 1, mask=r_ok, other=0.0)
-            num += w[:, None] * tl.load(ws_ptr + s * step + part, mask=ok, other=0.0)
-        res = num / tl.where(den > 0, den, 1.0)[:, None]
-    else:
-        for s in range(num_splits):
-            num += tl.load(ws_ptr + s * step + part, mask=ok, other=0.0)
-        res = num * inv_norm
-    o = (r // num_heads).to(tl.int64)[:, None] * stride_ot + (r % num_heads)[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o, res.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def merge_splits(out: torch.Tensor, ws: torch.Tensor, ml: Optional[torch.Tensor], inv_norm: float) -> torch.Tensor:
-    """Merge the prefix kernel's partial states into ``out`` (one launch).
+def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], inv_norm: float) -> torch.Tensor:
+    """Merge the kernel's partial states.
 
     Parameters
     ----------
-    out : Tensor [total_q, H, D]
-        The attention output (any float dtype; its last dim contiguous).
-    ws : float32 Tensor [S, total_q, H, D], contiguous
+    ws : float32 Tensor [S, total_q, H, D]
         Un-normalised partial sums of each split.
-    ml : float32 Tensor [S, total_q, H, 2], contiguous, or None
+    ml : float32 Tensor [S, total_q, H, 2], or None
         softmax: each split's running max (log2 domain) and running sum; None in hstu mode.
     inv_norm : float
         hstu: ``1 / N``.
 
     Returns
     -------
-    ``out``
+    float32 Tensor [total_q, H, D]
     """
-    num_splits, total_q, num_heads, head_dim = ws.shape
-    assert out.shape == (total_q, num_heads, head_dim) and out.stride(2) == 1 and ws.is_contiguous()
-    assert ml is None or (ml.shape == (num_splits, total_q, num_heads, 2) and ml.is_contiguous())
-    rows = total_q * num_heads
-    if rows == 0:
-        return out
-    with C.device_guard(out.device):
-        merge_splits_kernel[(C.cdiv(rows, MERGE_BLOCK_R),)](
-            ws, ws if ml is None else ml, out, num_splits, rows, num_heads, out.stride(0), out.stride(1), inv_norm,
-            HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), BLOCK_R=MERGE_BLOCK_R, SOFTMAX=ml is not None)
-    return out
+    if ml is None:
+        return ws.sum(0).mul_(inv_norm)
+    m, l = ml[..., 0], ml[..., 1]
+    w = torch.exp2(m - m.amax(0))                        # [S, total_q, H]
+    den = (w * l).sum(0)
+    num = (w.unsqueeze(-1) * ws).sum(0)
+    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["prefix_attention_ref", "kv_write_ref", "kv_pack_ref", "kv_unpack_ref", "merge_splits_ref",
-           "time_bucket_ref", "visible_mask_ref"]
+__all__ = ["prefix_attention_ref", "kv_write_ref", "kv_pack_ref", "kv_unpack_ref", "time_bucket_ref",
+           "visible_mask_ref"]
 
 
 def time_bucket_ref(dt: torch.Tensor, num_buckets: int, time_bucket="log2") -> torch.Tensor:
@@ -119,28 +119,3 @@ def kv_unpack_ref(buffer: torch.Tensor, kv_caches: Sequence[torch.Tensor], page_
     _, _, page_size, h, d = kv_caches[0].shape
     for layer, cache in enumerate(kv_caches):
         cache[ids] = buffer[layer].to(cache.device).reshape(2, ids.numel(), page_size, h, d).transpose(0, 1)
-
-
-def merge_splits_ref(ws: torch.Tensor, ml: Optional[torch.Tensor], inv_norm: float) -> torch.Tensor:
-    """The merge of the prefix kernel's split partial states (:mod:`relaygr_engine.kernels._split`), in torch.
-
-    Parameters
-    ----------
-    ws : float32 Tensor [S, total_q, H, D]
-        Un-normalised partial sums of each split.
-    ml : float32 Tensor [S, total_q, H, 2], or None
-        softmax: each split's running max (log2 domain) and running sum; None in hstu mode.
-    inv_norm : float
-        hstu: ``1 / N``.
-
-    Returns
-    -------
-    float32 Tensor [total_q, H, D]
-    """
-    if ml is None:
-        return ws.sum(0).mul_(inv_norm)
-    m, l = ml[..., 0], ml[..., 1]
-    w = torch.exp2(m - m.amax(0))                        # [S, total_q, H]
-    den = (w * l).sum(0)
-    num = (w.unsqueeze(-1) * ws).sum(0)
-    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
