@@ -84,11 +84,13 @@ step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model
     --json "${OUT_DIR}/rank-compile.json"
 step profile 300 $PY benchmarks/profile_rank.py
 step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs
-# What bounds the prefix kernel in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
-# sections for each of its launches (16: history and candidate tiles of 8 layers), in one ranking after warm-up.
-# Needs ncu and access to the GPU's performance counters; says so and passes where ncu is missing.
+# What bounds the engine's kernels in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
+# sections for each launch of the prefix kernel (16: history and candidate tiles of 8 layers), the bias table (8)
+# and the split merge's reduction (8), in one ranking after warm-up. Needs ncu and access to the GPU's performance
+# counters; says so and passes where ncu is missing.
 step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
-    ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
+    ncu --profile-from-start off --kernel-name 'regex:prefix_attention|bias_table|reduce_kernel' \
+    --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
     $PY benchmarks/profile_rank.py --cuda-profiler-window"
 # The same sections for the long HSTU shape of bench kernels at head dim 256 (4 users x 16384 cached keys, 1056 rows
