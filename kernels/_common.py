@@ -186,6 +186,12 @@ def rows_dense(x: torch.Tensor) -> bool:
     return True
 
 
+def with_dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where its rows are dense (:func:`rows_dense`), else a contiguous copy: what the kernels that
+    read rows at any stride take."""
+    return x if rows_dense(x) else x.contiguous()
+
+
 def check_tensor(name: str, x, *, ndim: Optional[int] = None, shape: Optional[Sequence[Optional[int]]] = None,
                  dtypes: Optional[Iterable[torch.dtype]] = None, device: Optional[torch.device] = None,
                  contiguous: bool = True, dense_rows: bool = False) -> torch.Tensor:

@@ -181,7 +181,6 @@ def _write_quantized(kv_cache, k, v, slot_mapping, kd, page_size: int, persisten
     num_heads, head_dim, n = kv_cache.shape[3], kv_cache.shape[4], k.shape[0]
     num_work = C.cdiv(n, BLOCK_T) * num_heads
     programs = C.num_programs(kv_cache.device, num_work, persistent)
-    k, v = k.contiguous(), v.contiguous()
     with C.device_guard(kv_cache.device):
         _kv_write_quant_kernel[(programs,)](
             kv_cache.view(quant.value_dtype(kd)), kv_cache.view(-1).view(torch.float32), k, v, slot_mapping,

@@ -271,6 +271,13 @@ def test_views_of_one_projection_need_no_copy(mode):
     kv_write(caches[0], views["k"], views["v"], slots)
     kv_write(caches[1], args["k"], args["v"], slots)
     assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
+    shape8 = quant.layer_shape(KVDtype.INT8, args["kv_cache"].shape[0], 16, 2, 32)
+    pages8 = [torch.zeros(shape8, dtype=torch.uint8) for _ in range(2)]     # int8 pages: rows quantised as read
+    kv_write(pages8[0], views["k"], views["v"], slots, kv_dtype="int8")
+    kv_write(pages8[1], args["k"], args["v"], slots, kv_dtype="int8")
+    assert torch.equal(pages8[0], pages8[1]) and pages8[0].any()
     swapped = args["k"].transpose(0, 1).contiguous().transpose(0, 1)           # rows not dense: strides [32, T*32, 1]
     with pytest.raises(ValueError, match=r"k must have dense rows \(strides \[\*, 32, 1\]; call \.contiguous\(\)\)"):
         kv_write(caches[0], swapped, args["v"], slots)

@@ -35,7 +35,7 @@ import logging
 import torch
 
 from .attention_checks import _check_args
-from .kernels._common import rows_dense
+from .kernels._common import with_dense_rows
 from .config import AttentionBackend, AttentionMode, KVDtype, TimeBucket, parse_choice
 from .reference_attention import paged_prefix_attention_torch
 from .time_bucketing import (MAX_LOG2_BUCKETS, MAX_TIME_BUCKETS, check_time_buckets,  # noqa: F401 (re-exported)
@@ -193,7 +193,7 @@ def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seq
     if mode is AttentionMode.SOFTMAX or ts_bias is None:
         ts_cache = ts_q = None  # unused: keep them out of the kernels
     if be is AttentionBackend.TRITON:  # the kernel takes dense rows at any stride: views of one projection as they are
-        q, k, v = (x if rows_dense(x) else x.contiguous() for x in (q, k, v))
+        q, k, v = map(with_dense_rows, (q, k, v))
         return _triton_impl()(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q,
                               num_candidates, mode=mode.value, scale=float(scale), hstu_norm=float(hstu_norm),
                               pos_bias=pos_bias, ts_bias=ts_bias, ts_cache=ts_cache, ts_q=ts_q, plan=plan,

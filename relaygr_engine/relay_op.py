@@ -21,7 +21,7 @@ from .config import AttentionBackend
 from .context import current_context
 from .onload import wait_layer
 from .attention_checks import _check_args
-from .kernels._common import rows_dense
+from .kernels._common import with_dense_rows
 from .ops import _dispatch
 from .torch_plan import planned_attention
 
@@ -95,8 +95,8 @@ def _write(st, cache: torch.Tensor, flat: torch.Tensor, k: torch.Tensor, v: torc
     page_size = quant.token_page_size(st.kv_dtype, cache.shape[2], cache.shape[-1])
     if st.backend is AttentionBackend.TRITON:
         from .kernels.kv_write import kv_write
-        k, v = (x if rows_dense(x) else x.contiguous() for x in (k, v))
-        kv_write(cache, k, v, st.slot_mapping(rows, page_size), check_slots=False, kv_dtype=st.kv_dtype)
+        kv_write(cache, with_dense_rows(k), with_dense_rows(v), st.slot_mapping(rows, page_size), check_slots=False,
+                 kv_dtype=st.kv_dtype)
         return
     if st.kv_dtype.quantized:
         quant.store(cache, st.kv_dtype, page_size, st.write_pages, st.write_slots,
