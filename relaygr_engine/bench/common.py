@@ -91,20 +91,26 @@ def percentile(values, q):
     return float(out) if out.ndim == 0 else out
 
 
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # pragma: no cover - needs an Ascend host
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+
+
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int, *, warmup: int = 0,
                 timer: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of one call of ``fn`` over ``repeats`` calls (after ``warmup`` untimed ones) on ``timer``;
-    CUDA work is synchronised before and after each timed call."""
+    the device's work is synchronised before and after each timed call (:func:`sync`)."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         t0 = timer()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         samples.append(timer() - t0)
     return float(percentile(samples, 50))
 

@@ -11,27 +11,18 @@ the host) are timed eagerly, and say so.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import torch
 
-from .common import percentile
+from .common import median_time, percentile, sync
 
-__all__ = ["device_seconds", "sync"]
+__all__ = ["device_seconds"]
 
 log = logging.getLogger(__name__)
 
 _FLUSH_BYTES = 256 << 20        # larger than any GPU's L2 cache (H100: 50 MB, H200: 60 MB)
 _flush: dict = {}
-
-
-def sync(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (nothing on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":  # pragma: no cover - needs an Ascend host
-        torch.npu.synchronize()  # type: ignore[attr-defined]
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
@@ -61,19 +52,13 @@ def device_seconds(fn: Callable[[], object], device: torch.device, warmup: int, 
     On CUDA with ``graph`` (the default) ``fn`` is captured once after the warm-up and its replays are timed, each
     between two events after an L2 flush: the time of the GPU work alone. Without ``graph``, or where ``fn`` cannot
     be captured, each eager call is timed between events, its host time included. Elsewhere: wall time of each call
-    followed by a synchronisation.
+    between synchronisations (:func:`~relaygr_engine.bench.common.median_time`).
     """
+    if device.type != "cuda":
+        return median_time(fn, device, iters, warmup=warmup)
     for _ in range(warmup):
         fn()
     sync(device)
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        return percentile(times, 50)
     captured = _capture(fn, device) if graph else None
     run = captured.replay if captured is not None else fn
     flush = _flush_buffer(device)

@@ -291,9 +291,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         return _report(rows, S.summarize(rows, **meta), opts.json)
 
-    device, problem = _prepare_device(opts.device)
+    device, why = _prepare_device(opts.device)
     if device is None:
-        print(f"error: {problem}", file=sys.stderr)
+        print(f"error: {why}", file=sys.stderr)
         return 2
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("softmax", "hstu")]
