@@ -64,11 +64,16 @@ def _fit_descriptor(nargs) -> None:
         nargs["kv_desc"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
 
 
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_fit_descriptor)
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1}, num_warps=w, num_stages=s,
+                               pre_hook=_fit_descriptor)
                 for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
+# Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only.
+AUTOTUNE_V_SPLITS = (1, 2)
+CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2}, num_warps=w, num_stages=s)
+                 for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
 # 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
 # spill (28 bytes at 2 stages, int8); 16-key blocks do not.
-NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False}, num_warps=CUDA_NUM_WARPS, num_stages=2,
+NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
                               pre_hook=_fit_descriptor)
 CUDA_CONFIGS.append(NARROW_CONFIG)
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
@@ -79,34 +84,63 @@ SPLIT_ALIGN = 128
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
 AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "HIST_TABLE",
-                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS"]
+                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS", "V_SPLITS_PICK"]
+
+
+def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool) -> bool:
+    """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): candidate
+    tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above head dim
+    128; HSTU history tiles that compute their bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128
+    and 2 stages only above it; HSTU candidate tiles with a bias (their table row read per key block) 3 stages only
+    above 128."""
+    return ((c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and rows <= 64)
+            and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
+            and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
+            and (c.num_stages >= 3 or not (cand_bias and head_dim > 128)))
+
+
+def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
+    """Whether a config splitting the value columns in two compiles spill-free and fits shared memory on sm_90
+    (bf16; read off ``benchmarks/results/ptxas-sm90-value-splits.txt`` at head dim 256, where the halved
+    accumulator is what it buys): on 8 warps 32-key blocks at 2 or 3 stages, 64-key blocks at 2 (not for 128-row
+    history tiles computing HSTU's bias in the kernel); on 4 warps (one warp group, so two programs per SM) 64-row
+    tiles with 32-key blocks at 2 stages."""
+    bn, stages = c.kwargs["BLOCK_N"], c.num_stages
+    if c.num_warps != CUDA_NUM_WARPS:
+        return rows <= 64 and bn == 32 and stages == 2
+    return bn == 32 or (stages == 2 and not (row_bias and rows > 64))
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16):
-    candidate tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above
-    head dim 128; HSTU history tiles that compute their bias per (row, key) in the kernel (no ``HIST_TABLE``)
-    ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a bias (their table row
-    read per key block) 3 stages only above 128; 8-bit pages with that in-kernel bias above head dim 128 only
-    :data:`NARROW_CONFIG`, which no other variant takes. Every other config of :data:`CUDA_CONFIGS` is kept, those
-    reading pages through a tensor descriptor as ``TMA_READS`` allows (the same rules: they compile as the pointer
-    configs do) when a key block lies in one page."""
+    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16): without
+    value splits as :func:`_clean_one_program` says, with two as :func:`_clean_value_split` says, offered above
+    head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); 8-bit pages with the
+    in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes. Configs reading
+    pages through a tensor descriptor are offered as ``TMA_READS`` allows (they compile as the pointer configs do)
+    when a key block lies in one page."""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
+    rows = meta.get("BLOCK_M", 64)
     biased = hstu and (meta.get("HAS_POS", False) or meta.get("HAS_TS", False))
     row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
     cand_bias = biased and cand
     reads, page_size = meta.get("TMA_READS", TMA_OFF), meta.get("PAGE_SIZE", 0)
     narrow = meta.get("KV8", False) and row_bias and head_dim > 128
+    pick = meta.get("V_SPLITS_PICK", 0)
+
+    def offered(c) -> bool:
+        splits = c.kwargs["V_SPLITS"]
+        if pick:
+            return splits == pick
+        return splits == 1 or (head_dim > 128 and not narrow)
+
     kept = [c for c in configs
-            if (c is NARROW_CONFIG) == narrow
+            if (c is NARROW_CONFIG) == narrow and offered(c)
             and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
-            and (c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and meta.get("BLOCK_M", 64) <= 64)
-            and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
-            and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
-            and (c.num_stages >= 3 or not (cand_bias and head_dim > 128))]
-    return kept or configs[:1]
+            and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias) if c.kwargs["V_SPLITS"] > 1
+                                        else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias)))]
+    return kept or [c for c in configs if offered(c)][:1] or configs[:1]
 
 
 def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, block_n: Optional[int] = None, *,

@@ -20,6 +20,10 @@ one ``[BLOCK_N]`` load per key block (no key timestamps). History tiles (few row
 same table (``HIST_TABLE``: one contiguous ``[BLOCK_M, BLOCK_N]`` load per key block) when the launcher built them,
 else compute the bias per (row, key) (:mod:`relaygr_engine.kernels._bias`).
 
+With ``V_SPLITS > 1``, ``V_SPLITS`` programs (grid axis 1) share a tile: each computes all its scores (from every
+column of q and K) and ``BLOCK_D / V_SPLITS`` of its output columns (of V), so its accumulator takes that many times
+fewer registers, which bound a tile at head dim 256, for scores computed ``V_SPLITS`` times.
+
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
 descriptors), so the same source runs through triton-ascend and Triton's CPU interpreter. Beside it, on sm_90+,
@@ -145,37 +149,38 @@ def _page_ids(kv_indices_ptr, page_lo, start, hi, offs_n, PAGE_SIZE: tl.constexp
 
 
 @triton.jit
-def _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, head, head_off,
+def _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, offs_v, head, head_off,
                 stride_page, stride_kv, stride_slot, stride_ts_page,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_TS: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
-    """K, V ``[BLOCK_N, BLOCK_D]`` and (``HAS_TS``) timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n`` in
-    ``page`` (:func:`_page_ids`); with ``MASKED`` those ``>= hi`` read as zeros. With ``TMA`` (a full block, within
-    one page) K and V are two tensor-descriptor loads: ``kv_desc`` sees the pages as rows ``[pages * 2 *
-    PAGE_SIZE, H * D]`` (K of page ``p`` from row ``2 p PAGE_SIZE``, its V ``PAGE_SIZE`` rows on)."""
+                V_SPLITS: tl.constexpr, HAS_TS: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
+    """K ``[BLOCK_N, BLOCK_D]``, V's value columns ``offs_v`` ``[BLOCK_N, BLOCK_D // V_SPLITS]`` and (``HAS_TS``)
+    timestamps ``[BLOCK_N]`` of cached tokens ``start + offs_n`` in ``page`` (:func:`_page_ids`); with ``MASKED``
+    those ``>= hi`` read as zeros. With ``TMA`` (a full block, within one page, all value columns) K and V are two
+    tensor-descriptor loads: ``kv_desc`` sees the pages as rows ``[pages * 2 * PAGE_SIZE, H * D]`` (K of page ``p``
+    from row ``2 p PAGE_SIZE``, its V ``PAGE_SIZE`` rows on)."""
     kpos = start + offs_n
     if PAGE_SIZE % BLOCK_N == 0:
         slot = start % PAGE_SIZE + offs_n
     else:
         slot = kpos % PAGE_SIZE
-    row = page * stride_page + slot * stride_slot
-    off = head_off + row[:, None] + offs_d[None, :]
+    row = head_off + page * stride_page + slot * stride_slot
+    off = row[:, None] + offs_d[None, :]
+    v_off = stride_kv + row[:, None] + offs_v[None, :]
     if TMA:
-        tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM and not MASKED)
+        tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM and V_SPLITS == 1 and not MASKED)
         k_row = (page * (2 * PAGE_SIZE) + start % PAGE_SIZE).to(tl.int32)
         k = kv_desc.load([k_row, head * HEAD_DIM])
         v = kv_desc.load([k_row + PAGE_SIZE, head * HEAD_DIM])
     elif MASKED:
-        mask = (kpos < hi)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(kv_ptr + off, mask=mask, other=0.0)
-        v = tl.load(kv_ptr + stride_kv + off, mask=mask, other=0.0)
+        k_ok = (kpos < hi)[:, None]
+        k = tl.load(kv_ptr + off, mask=k_ok & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(kv_ptr + v_off, mask=k_ok & (offs_v < HEAD_DIM)[None, :], other=0.0)
     elif BLOCK_D != HEAD_DIM:
-        mask = (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(kv_ptr + off, mask=mask, other=0.0)
-        v = tl.load(kv_ptr + stride_kv + off, mask=mask, other=0.0)
+        k = tl.load(kv_ptr + off, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(kv_ptr + v_off, mask=(offs_v < HEAD_DIM)[None, :], other=0.0)
     else:
         k = tl.load(kv_ptr + off)
-        v = tl.load(kv_ptr + stride_kv + off)
+        v = tl.load(kv_ptr + v_off)
     t_k = kpos  # stands in when HAS_TS is off (never read)
     if HAS_TS:
         if MASKED:
@@ -204,16 +209,15 @@ def _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page,
 
 
 @triton.jit
-def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_kt, stride_vt,
+def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, offs_v, k_head, v_head, stride_kt, stride_vt,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TS: tl.constexpr, MASKED: tl.constexpr):
-    """K, V ``[R, BLOCK_D]`` and timestamps ``[R]`` of batch rows ``rows`` (int64; with ``MASKED``, rows not ``ok``
-    read as zeros)."""
+    """K ``[R, BLOCK_D]``, V's value columns ``offs_v`` ``[R, BLOCK_DV]`` and timestamps ``[R]`` of batch rows
+    ``rows`` (int64; with ``MASKED``, rows not ``ok`` read as zeros)."""
     k_off = k_head + rows[:, None] * stride_kt + offs_d[None, :]
-    v_off = v_head + rows[:, None] * stride_vt + offs_d[None, :]
+    v_off = v_head + rows[:, None] * stride_vt + offs_v[None, :]
     if MASKED or BLOCK_D != HEAD_DIM:
-        mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + k_off, mask=mask, other=0.0)
-        v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+        k = tl.load(k_ptr + k_off, mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=ok[:, None] & (offs_v < HEAD_DIM)[None, :], other=0.0)
     else:
         k = tl.load(k_ptr + k_off)
         v = tl.load(v_ptr + v_off)
@@ -224,11 +228,12 @@ def _load_rows(k_ptr, v_ptr, ts_q_ptr, rows, ok, offs_d, k_head, v_head, stride_
 
 
 @triton.jit
-def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
+def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, offs_v, head, head_off,
+                num_heads,
                 kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+                V_SPLITS: tl.constexpr, CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
                 TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, FAST_SILU: tl.constexpr,
                 TMA: tl.constexpr, MASKED: tl.constexpr):
@@ -238,9 +243,9 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
     BIAS: tl.constexpr = HAS_POS or HAS_TS
     KEY_TS: tl.constexpr = HAS_TS and not TABLE
     PAGE_TMA: tl.constexpr = TMA and not MASKED  # (a masked block reads through pointers)
-    k, v, t_k = _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, head, head_off,
+    k, v, t_k = _load_pages(kv_ptr, kv_desc, ts_cache_ptr, page, start, hi, offs_n, offs_d, offs_v, head, head_off,
                             stride_page, stride_kv, stride_slot, stride_ts_page, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
-                            KEY_TS, PAGE_TMA, MASKED)
+                            V_SPLITS, KEY_TS, PAGE_TMA, MASKED)
     vs = 0.0
     if KV8:  # dequantised on load: the K scales ride on the scores, the V scales on the weights
         ks, vs = _page_scales(kvs_ptr, page, start, hi, offs_n, head, num_heads, stride_page, stride_kv, stride_slot,
@@ -284,17 +289,24 @@ def prefix_attention_kernel(
     TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
     HIST_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
     KV8: tl.constexpr, FAST_SILU: tl.constexpr, TMA: tl.constexpr,
-    TMA_READS: tl.constexpr,                          # (read by the autotuner's pruning only: _prefix_config)
+    V_SPLITS: tl.constexpr,                           # programs sharing a tile's value columns (grid axis 1)
+    TMA_READS: tl.constexpr, V_SPLITS_PICK: tl.constexpr,  # (read by the autotuner's pruning only: _prefix_config)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
     TABLE: tl.constexpr = BIAS and (CAND_TILES or HIST_TABLE)  # the bias comes from the bias table
+    BLOCK_DV: tl.constexpr = BLOCK_D // V_SPLITS          # value columns of this program
     tl.static_assert(not (TMA and KV8))  # 8-bit pages read through pointers
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)                          # q and k: every column (the scores need them all)
     d_ok = offs_d < HEAD_DIM
+    if V_SPLITS == 1:  # (one program per tile: V's addresses are K's, shifted by stride_kv)
+        offs_v = offs_d
+    else:              # v, the output: this program's columns
+        offs_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < HEAD_DIM
     qk_scale = scale * LOG2E
     if PERSISTENT:
         work_end = num_work
@@ -334,7 +346,7 @@ def prefix_attention_kernel(
         g_rows = (q_start + rows).to(tl.int64)                  # rows of q/k/v/out
         q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # softmax: running max of log2-scaled logits
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)           # softmax: running sum of exp2(logit - m_i)
 
@@ -348,18 +360,18 @@ def prefix_attention_kernel(
         for start in range(lo, full_hi, BLOCK_N):
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _page_block(
-                acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, offs_v, head, head_off,
+                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, V_SPLITS, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
-                acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_m, offs_n, offs_d, head, head_off, num_heads,
-                kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
+                acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_m, offs_n, offs_d, offs_v, head, head_off,
+                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, V_SPLITS, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, True)
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
@@ -371,7 +383,7 @@ def prefix_attention_kernel(
         for start in range(0, n_end, BLOCK_N):
             idx = start + offs_n
             k_ok = idx < n_end
-            k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d,
+            k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d, offs_v,
                                    k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D,
                                    HAS_TS and not TABLE, True)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -392,8 +404,8 @@ def prefix_attention_kernel(
         # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
         if CAND_TILES:
             if live & (split == 0):
-                k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, k_head, v_head, stride_kt,
-                                       stride_vt, HEAD_DIM, BLOCK_D, False, True)
+                k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, offs_v, k_head, v_head,
+                                       stride_kt, stride_vt, HEAD_DIM, BLOCK_D, False, True)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 bias = 0.0
                 if BIAS:  # distance 0, time difference 0: one scalar
@@ -407,15 +419,16 @@ def prefix_attention_kernel(
 
         if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
             ws_rows = (split * total_q + g_rows) * num_heads + head
-            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], acc,
+                     mask=row_ok[:, None] & v_ok[None, :])
             if not HSTU:
-                tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
-                tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
+                if tl.program_id(1) == 0:  # (every value split holds the same m_i and l_i: the first stores them)
+                    tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
+                    tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
         else:
             if HSTU:
                 out = acc * inv_norm
             else:
                 out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])

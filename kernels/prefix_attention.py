@@ -1,11 +1,12 @@
 """Paged prefix attention: new history tokens and candidates of a batch of users against their cached prefix pages.
 
-The launcher and the batch plan; the ``@triton.jit`` code and its configs are in
-:mod:`relaygr_engine.kernels._prefix_kernel`. A call checks its inputs, plans the batch's tiles (or takes a plan
-built once per batch, :func:`plan_prefix_attention`), and launches the kernel once per kind of tile: history tiles
-(new history rows: causal) and candidate tiles (all of a user's candidates share one query position and time). With
-split-prefix scheduling each tile's cached prefix is shared by several programs whose partial sums are merged after
-both launches.
+The launcher; the batch plan is in :mod:`relaygr_engine.kernels._prefix_plan`, the ``@triton.jit`` code in
+:mod:`relaygr_engine.kernels._prefix_kernel`, its configs in :mod:`relaygr_engine.kernels._prefix_config`. A call
+checks its inputs, plans the batch's tiles (or takes a plan built once per batch, :func:`plan_prefix_attention`), and
+launches the kernel once per kind of tile: history tiles (new history rows: causal) and candidate tiles (all of a
+user's candidates share one query position and time). With split-prefix scheduling each tile's cached prefix is
+shared by several programs whose partial sums are merged after both launches; with value splits its output columns
+are (each program computes all the tile's scores).
 
 Modes
 -----
@@ -29,19 +30,18 @@ shared with FlashInfer and NVIDIA's HSTU inference, whose pages users move betwe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from .. import quant
-from .._host import ship
 from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_config import (CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig, SPLIT_ALIGN, autotuned_kernel,
-                             history_tile_rows, page_reads as pick_page_reads, pick_config, reset_autotuning)
+from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig, SPLIT_ALIGN,
+                             autotuned_kernel, page_reads as pick_page_reads, pick_config, reset_autotuning)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
+from ._prefix_plan import PrefixAttentionPlan, _check_block, _plan, plan_prefix_attention
 from ._split import merge_splits, pick_splits
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
@@ -79,111 +79,20 @@ def _ts_bits(num_buckets: int) -> int:
     return min(num_buckets - 1, 63)
 
 
-@dataclass(frozen=True)
-class PrefixAttentionPlan:
-    """The schedule of one varlen batch: built once on the host, reused by every layer of a forward.
-
-    Like FlashInfer's ``plan``/``run`` split. The metadata is read from the device once to check it and to build
-    the tile tables. Then each layer's :func:`prefix_attention` call launches with no device-to-host read (a read
-    waits for all queued GPU work, so one per layer would serialise the host's launches with the kernels).
-
-    Attributes
-    ----------
-    block_m, hist_block_m : int
-        Query rows per candidate tile and per history tile (the tile tables are built for them).
-    batch, total_q : int
-        Users and query rows the plan was built for (checked against each call).
-    page_size, num_pages : int
-        Of the cache the page table was checked against (checked against each call).
-    hist_tiles, cand_tiles : int32 Tensor [2, n]
-        On the device: the history tiles and the candidate tiles, each column a tile's user and first row in that
-        user's segment (:func:`~relaygr_engine.kernels._common.tile_table`).
-    max_key_len : int
-        Longest prefix + segment of a user.
-    max_prefix_len : int
-        Longest cached prefix of a user (what split-prefix scheduling divides).
-    num_cached : int
-        Cached tokens over all users.
-    """
-
-    block_m: int
-    hist_block_m: int
-    batch: int
-    total_q: int
-    page_size: int
-    num_pages: int
-    hist_tiles: torch.Tensor
-    cand_tiles: torch.Tensor
-    max_key_len: int
-    num_cached: int
-    max_prefix_len: int = 0
-
-    @property
-    def num_tiles(self) -> int:
-        return self.hist_tiles.shape[1] + self.cand_tiles.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.hist_tiles.device
+def _check_value_splits(value_splits, head_dim: int) -> None:
+    """``value_splits``: None, or a power of two leaving each program at least 16 value columns."""
+    most = max(16, C.next_pow2(head_dim)) // 16
+    if value_splits is not None and (isinstance(value_splits, bool) or not isinstance(value_splits, int)
+                                     or value_splits < 1 or value_splits & (value_splits - 1)
+                                     or value_splits > most):
+        raise ValueError(f"value_splits must be a power of two in [1, {most}] at head dim {head_dim} (each program "
+                         f"takes at least 16 value columns), got {value_splits!r}")
 
 
-def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device) -> PrefixAttentionPlan:
-    """Build the tile table of a checked layout (:func:`~relaygr_engine.kernels._common.check_page_table`'s values)
-    on ``device``."""
-    b = table.batch
-    cu, last = torch.tensor(table.cu_seqlens_q), torch.tensor(table.kv_last_page_len)
-    indptr = torch.tensor(table.kv_indptr)
-    seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
-    prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
-    max_key_len = int((prefix + seqlens).max()) if b else 0
-    rows = seqlens.tolist()
-    hist = [n - c for n, c in zip(rows, table.num_candidates)]
-    hist_m = history_tile_rows(cfg, lambda m: sum(C.cdiv(n, m) for n in hist), max_key_len)
-    tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
-    return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
-                               tiles[0], tiles[1],
-                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)
-
-
-def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
-                          block_m=None, kv_dtype="model") -> PrefixAttentionPlan:
-    """Check a batch's layout and build its tile schedule once, for every layer's :func:`prefix_attention` call.
-
-    Parameters
-    ----------
-    cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len : int32 Tensors
-        As in :func:`prefix_attention`, on the device of ``kv_cache``, or all five on the host (the CPU): host
-        copies of the tables the layers will be given are checked and planned without any read from the device.
-    kv_cache : Tensor [num_pages, 2, page_size, H, D]
-        A layer's cache: its page count, page size, head dim, dtype and device decide the tiles (all layers of a
-        model share them).
-    block_m : int, optional
-        Query rows per tile (both kinds); default: the device's rule (:func:`pick_config`).
-    kv_dtype : {"model", "fp8_e4m3", "int8"}
-        How ``kv_cache`` stores K/V (8-bit: ``uint8`` pages with scale slots, :mod:`relaygr_engine.quant`).
-
-    Returns
-    -------
-    PrefixAttentionPlan
-        Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
-    """
-    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
-    C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(torch.uint8,) if kd.quantized else C.FLOAT_DTYPES)
-    _check_block("block_m", block_m)
-    device = kv_cache.device
-    num_pages, page_size = kv_cache.shape[0], quant.token_page_size(kd, kv_cache.shape[2], kv_cache.shape[-1])
-    tables = (cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len)
-    on_host = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tables)
-    table = C.check_page_table(*tables, device=torch.device("cpu") if on_host else device, num_pages=num_pages,
-                               page_size=page_size, contiguous=True)
-    cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
-                      interpreted=C.is_interpreted(_prefix_attention_kernel))
-    return _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
-
-
-def _check_block(name: str, size) -> None:
-    if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
-        raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
+def _grid(programs: int):
+    """A launch's grid: ``programs`` (tiles x heads x prefix splits, or one per core) by the config's value
+    splits (``V_SPLITS``, set by the caller or the autotuner)."""
+    return lambda meta: (programs, meta["V_SPLITS"])
 
 
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
@@ -191,7 +100,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
                      plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
                      kv_dtype="model", bias_table_bytes: Optional[int] = None,
-                     page_reads="auto") -> torch.Tensor:
+                     page_reads="auto", value_splits: Optional[int] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -260,6 +169,12 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         pointer reads against tensor-descriptor (TMA) reads on CUDA sm_90+ (pointers elsewhere); ``"tma"`` only
         the latter, and raises ``ValueError`` where they cannot run (8-bit pages, a head dim not a power of two, a
         page not a whole number of key blocks, a cache not 16-byte aligned, a GPU before sm_90).
+    value_splits : int, optional
+        Programs sharing a tile's value columns (a power of two): each computes all the tile's scores and ``D /
+        value_splits`` columns of its output, so its accumulator takes that many times fewer registers (what bounds
+        a tile at head dim 256) for scores computed ``value_splits`` times. Default: 1, autotuned over 1 and 2
+        above head dim 128 on CUDA (:mod:`~relaygr_engine.kernels._prefix_config`); with ``block_n`` autotuned
+        only 1 or 2 can be asked for; ``"tma"`` page reads take 1.
 
     Returns
     -------
@@ -306,6 +221,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                            device=device)
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
+    _check_value_splits(value_splits, head_dim)
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
     reads = parse_choice(PageReads, page_reads, "page_reads")
@@ -331,6 +247,12 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         return out
     cfg = pick_config(device, q.dtype, head_dim, plan.block_m if plan is not None else block_m, block_n,
                       interpreted=C.is_interpreted(_prefix_attention_kernel))
+    if cfg.block_n is None and value_splits not in (None, *AUTOTUNE_V_SPLITS):
+        raise ValueError(f"value_splits={value_splits} needs a fixed block_n: the autotuned configs split the value "
+                         f"columns over {' or '.join(map(str, AUTOTUNE_V_SPLITS))} programs")
+    if reads is PageReads.TMA and (value_splits or 1) > 1:
+        raise ValueError(f"page_reads='tma' reads every value column of a key block: value_splits must be 1, got "
+                         f"{value_splits}")
     tma_reads, kv_desc = pick_page_reads(reads, kv_cache, kv_dtype=kd, page_size=page_size, block_n=cfg.block_n)
     if plan is None:
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
@@ -385,11 +307,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
                 DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1,
-                KV8=kd.quantized, FAST_SILU=fast_silu, TMA_READS=tma_reads)
+                KV8=kd.quantized, FAST_SILU=fast_silu, TMA_READS=tma_reads,
+                V_SPLITS_PICK=value_splits or 0)
     if cfg.block_n is None:
         kernel, extra = autotuned_kernel(), {}
     else:
-        kernel, extra = _prefix_attention_kernel, dict(BLOCK_N=cfg.block_n, TMA=tma_reads == TMA_ONLY)
+        kernel, extra = _prefix_attention_kernel, dict(BLOCK_N=cfg.block_n, TMA=tma_reads == TMA_ONLY,
+                                                       V_SPLITS=value_splits or 1)
         if cfg.num_warps is not None:
             extra.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with C.device_guard(device):
@@ -400,7 +324,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 continue
             programs = C.num_programs(device, num_work, persistent)
             rows_of = dummy if table is None or not (cand or hist_table) else table if cand else table[user_rows:]
-            kernel[(programs,)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work, programs,
+            kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work, programs,
                                 num_splits, split_len, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand,
                                 HIST_TABLE=hist_table and not cand, **meta, **extra)
     if num_splits > 1:

@@ -47,6 +47,24 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto' and/or integers in [1, 32]" in err
 
 
+@needs_interpreter
+def test_bench_kernels_compares_value_splits(tmp_path, capsys):
+    """``--value-splits auto,2``: each shape once per value, exact, one geomean each (auto: one program per tile in
+    the interpreter); a value that is not a power of two is a usage error."""
+    from relaygr_engine.bench import kernels as bench
+
+    path = tmp_path / "k.json"
+    assert bench.main(["--modes", "softmax", "--shape", "B=2,P=100,n=3,C=5,H=2,D=32,page=16", "--value-splits",
+                       "auto,2", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "geomean_ms_vauto=" in out[-1] and "geomean_ms_v2=" in out[-1]
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["value_splits"] for r in rows] == [None, 2] and all(r["max_abs_err"] <= ATOL for r in rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--value-splits", "3"])
+    assert "--value-splits must be 'auto' and/or powers of two" in capsys.readouterr().err
+
+
 def test_device_seconds_on_the_cpu_is_the_median_wall_time():
     calls = []
     t = device_seconds(lambda: calls.append(1), torch.device("cpu"), warmup=2, iters=5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_problems import attention_kwargs, check_attention, make_problem, needs_interpreter
+from kernel_problems import attention_kwargs, check_attention, make_problem, needs_interpreter, prefix_attention
 
 
 @triton.jit
@@ -96,3 +96,64 @@ def test_page_reads_tma_refuses_what_it_cannot_read():
         prefix_attention(**dict(args, kv_cache=pages), **kw, block_n=16, kv_dtype="int8", page_reads="tma")
     with pytest.raises(ValueError, match="page_reads must be one of 'auto', 'pointers', 'tma', got 'dma'"):
         prefix_attention(**args, **kw, page_reads="dma")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_value_splits_share_a_tile_and_match_the_reference(mode, monkeypatch):
+    """``value_splits``: programs on grid axis 1 each take the tile's scores and their share of its value columns;
+    the result is the reference's within 1e-4 with 2 and 4 of them, split over the prefix or not, persistent or not,
+    at a head dim that is not a power of two (the last program's columns partly past it), with the bias from the
+    table and computed in the kernel. A grid with one program on that axis leaves columns unwritten and fails, so the
+    split is what ran."""
+    from relaygr_engine.kernels import prefix_attention as pa
+
+    for head_dim, parts in ((64, 4), (48, 2)):
+        args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, head_dim, seed=head_dim)
+        kw = attention_kwargs(mode, bias, head_dim)
+        for splits, budget in ((1, None), (3, None), (1, 0)):
+            check_attention(args, kw, persistent=splits > 1, block_m=16, block_n=16, splits=splits,
+                            bias_table_bytes=budget, value_splits=parts)
+    real = pa._grid
+    monkeypatch.setattr(pa, "_grid", lambda programs: lambda meta: real(programs)(meta)[:1] + (1,))
+    # (uninitialised memory as NaN: a freed output of the same size could otherwise hold the right values)
+    monkeypatch.setattr(torch, "empty_like", lambda x, **k: torch.full_like(x, float("nan"), **k))
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, block_m=16, block_n=16, value_splits=2)
+
+
+@needs_interpreter
+def test_value_splits_on_8bit_pages_match_one_program():
+    """8-bit pages (the scales ride on the scores and the weights) give the same result with the value columns
+    split over 2 programs as with one."""
+    from relaygr_engine import quant
+    from relaygr_engine.config import KVDtype
+
+    args, bias = make_problem([(45, 20, 9), (33, 0, 4)], 16, 2, 32, seed=9)
+    kv_cache = args["kv_cache"].nan_to_num(0.0)
+    pages = quant.quantize_pages(kv_cache, KVDtype.INT8)
+    run = lambda parts: prefix_attention(**dict(args, kv_cache=pages), **attention_kwargs("hstu", bias, 32),  # noqa: E731
+                                         block_m=16, block_n=16, kv_dtype="int8", value_splits=parts)
+    torch.testing.assert_close(run(2), run(1), atol=1e-5, rtol=0)
+
+
+@needs_interpreter
+def test_value_splits_refuses_what_cannot_run(monkeypatch):
+    """Each refusal names the argument and what it needs, before any launch."""
+    from relaygr_engine.kernels import prefix_attention as pa
+
+    args, bias = make_problem([(40, 2, 3)], 16, 2, 64)
+    kw = dict(mode="softmax", scale=0.1)
+    for bad in (3, 0, 8, True, 2.0):
+        with pytest.raises(ValueError, match=r"value_splits must be a power of two in \[1, 4\] at head dim 64 "
+                                             rf"\(each program takes at least 16 value columns\), got {bad!r}"):
+            prefix_attention(**args, **kw, value_splits=bad)
+    with pytest.raises(ValueError, match="page_reads='tma' reads every value column of a key block: value_splits "
+                                         "must be 1, got 2"):
+        prefix_attention(**args, **kw, block_n=16, page_reads="tma", value_splits=2)
+    # CUDA's autotuned configs (block_n left to the autotuner) split the value columns over 1 or 2 programs only.
+    monkeypatch.setattr(pa, "pick_config", lambda *a, **k: pa.KernelConfig(16, None))
+    monkeypatch.setattr(pa, "autotuned_kernel", lambda: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="value_splits=4 needs a fixed block_n: the autotuned configs split the value "
+                                         "columns over 1 or 2 programs"):
+        prefix_attention(**args, **kw, value_splits=4)

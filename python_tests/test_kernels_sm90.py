@@ -156,12 +156,15 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): candidate tiles on 8 warps;
     history tiles of 64 rows also on 4 (one warp group: no score computed twice) up to head dim 128; head dim 256
     keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
-    bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all."""
+    bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
+    offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
+    stages except for 128-row history tiles computing their bias; on 4 warps 64-row tiles, 32-key blocks, 2
+    stages."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(warps=8, **meta):
+    def kept(warps=8, splits=1, **meta):
         return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta)
-                      if c.num_warps == warps)
+                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits)
 
     all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
     assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
@@ -177,6 +180,19 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
         assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == all4
     assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # a 128-row tile needs 8 warps
     assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)
+    cand256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
+    assert kept(8, 2, **cand256, BLOCK_M=128) == [(32, 2), (32, 3), (64, 2)]
+    assert kept(4, 2, **cand256, BLOCK_M=128) == [] and kept(4, 2, **cand256, BLOCK_M=64) == [(32, 2)]
+    hist256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True)
+    assert kept(8, 2, **hist256, BLOCK_M=128) == [(32, 2), (32, 3)]
+    assert kept(8, 2, **hist256, BLOCK_M=64) == [(32, 2), (32, 3), (64, 2)]
+    assert kept(8, 2, **hist256, BLOCK_M=128, HIST_TABLE=True) == [(32, 2), (32, 3), (64, 2)]
+    for warps in (8, 4):
+        assert kept(warps, 2, HEAD_DIM=128, HSTU=False, CAND_TILES=True, BLOCK_M=64) == []
+    # asked for: only those, at any head dim
+    assert kept(8, 2, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == [(32, 2), (32, 3), (64, 2)]
+    assert kept(8, 1, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == []
+    assert kept(8, 2, **cand256, V_SPLITS_PICK=1) == [] and kept(8, 1, **cand256, V_SPLITS_PICK=1) == [(32, 3)]
 
 
 def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
@@ -184,10 +200,11 @@ def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
     rules: they compile alike) where a key block lies in one page, only keeps the twins."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(reads, page_size=64, **meta):
+    def kept(reads, page_size=64, splits=1, **meta):
         meta = {**dict(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True), **meta}
         return sorted((c.kwargs["TMA"], c.num_warps, c.kwargs["BLOCK_N"], c.num_stages)
-                      for c in K.prune_configs(K.CUDA_CONFIGS, {}, PAGE_SIZE=page_size, TMA_READS=reads, **meta))
+                      for c in K.prune_configs(K.CUDA_CONFIGS, {}, PAGE_SIZE=page_size, TMA_READS=reads, **meta)
+                      if c.kwargs["V_SPLITS"] == splits)
 
     pointers = kept(K.TMA_OFF)
     assert pointers and not any(t for t, *_ in pointers)
@@ -197,6 +214,9 @@ def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
     assert kept(K.TMA_EITHER, page_size=32) == pointers + [c for c in twins if c[2] == 32]
     assert kept(K.TMA_EITHER, HEAD_DIM=256) == kept(K.TMA_OFF, HEAD_DIM=256) + [
         (True, *c[1:]) for c in kept(K.TMA_OFF, HEAD_DIM=256)]
+    # a value split reads through pointers: offered with either, never with descriptors only
+    assert kept(K.TMA_EITHER, HEAD_DIM=256, splits=2) == kept(K.TMA_OFF, HEAD_DIM=256, splits=2) != []
+    assert kept(K.TMA_ONLY, HEAD_DIM=256, splits=2) == []
 
 
 def test_history_tiles_take_128_rows_above_head_dim_128_while_the_bias_table_fits():

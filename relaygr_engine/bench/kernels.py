@@ -163,13 +163,14 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
-              splits: Optional[int] = None) -> dict:
+              splits: Optional[int] = None, value_splits: Optional[int] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
     the configs the autotuner kept. ``splits``: programs per tile and head over the cached prefix (None: the
-    launcher's rule); the row's ``splits`` is the number used."""
+    launcher's rule); the row's ``splits`` is the number used. ``value_splits``: programs per tile over its value
+    columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice)."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import pick_splits
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
@@ -186,7 +187,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
-        **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s)
+        **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits)
     used_m = plan.block_m
     used_splits = pick_splits(device, plan.num_tiles * shape.heads, plan.max_prefix_len, splits)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
@@ -199,6 +200,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     chosen = autotuned_choices()
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
     both = page_reads == "auto" and tma_device(device)
+    both = both and (value_splits or 1) == 1  # (a value split reads through pointers)
     t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
     t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
     reset_autotuning()
@@ -207,7 +209,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, time_ms=t_paged * 1e3,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, value_splits=value_splits,
+               time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
@@ -278,6 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--splits", default="auto",
                     help="programs per tile and head over the cached prefix: auto (the launcher's rule) and/or a "
                          "comma-separated list to compare, e.g. auto,1,7,15 (each shape runs once per value)")
+    ap.add_argument("--value-splits", default="auto",
+                    help="programs per tile over its value columns: auto (autotuned on CUDA: 1 or 2 above head dim "
+                         "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -303,6 +309,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from relaygr_engine.kernels._split import MAX_SPLITS
 
     splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]")
+    v_splits = _int_list(ap, "--value-splits", opts.value_splits, lambda v: v >= 1 and not v & (v - 1),
+                         "powers of two")
     custom = [_shape(ap, spec, m) for spec in opts.shape or () for m in modes]
     cpu = device.type == "cpu"
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -321,10 +329,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    for shape, block_m, n_splits in itertools.product(shapes, block_ms, splits):
+    for shape, block_m, n_splits, n_v in itertools.product(shapes, block_ms, splits, v_splits):
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
-                          block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits)
+                          block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,
+                          value_splits=n_v)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2

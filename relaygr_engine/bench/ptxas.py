@@ -61,6 +61,7 @@ class Config:
     persistent: bool = False
     kv_dtype: str = "model"   # "int8" / "fp8_e4m3": 8-bit pages (relaygr_engine.quant)
     tma: bool = False         # full key blocks through a tensor descriptor (sm_90+), not pointers
+    v_splits: int = 1         # programs sharing a tile's value columns (V_SPLITS)
 
 
 @dataclass(frozen=True)
@@ -147,11 +148,12 @@ def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
                       cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model",
-                      hist_table: bool = True, tma: bool = False):
+                      hist_table: bool = True, tma: bool = False, v_splits: int = 1):
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
     (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``), full key blocks read through
-    pointers or (``tma``) tensor descriptors. History tiles read their bias from the bias table (``hist_table``,
-    the launcher's choice within its budget) or compute it in the kernel."""
+    pointers or (``tma``) tensor descriptors, value columns split over ``v_splits`` programs. History tiles read
+    their bias from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the
+    kernel."""
     import torch
 
     from relaygr_engine import quant
@@ -170,7 +172,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
                       KV8=KVDtype(kv_dtype).quantized,
                       FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
-                      TMA_READS=int(tma))
+                      TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits)
     types = attention_types("*" + dtype)
     if tma:
         types["kv_desc"] = f"tensordesc<{dtype}[{block_n}, {head_dim}]>"
@@ -211,7 +213,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
                                    bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
-                                   hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma)
+                                   hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma, v_splits=cfg.v_splits)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -247,7 +249,7 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
                                    PAGE_SIZE=page_size, KV8=kv_dtype != "model",
                                    TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
             grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
-                            tma=c.kwargs["TMA"]) for c in kept]
+                            tma=c.kwargs["TMA"], v_splits=c.kwargs["V_SPLITS"]) for c in kept]
     return grid
 
 
@@ -290,7 +292,7 @@ def _row(b: Build) -> str:
     c, w, lp = b.config, b.sass, b.loop
     return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
             f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {'y' if c.tma else 'n':>3} "
-            f"{b.registers:>5} "
+            f"{c.v_splits:>2} {b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
             f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4}")
@@ -316,6 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="build the one-tile-per-program kernel, the persistent one, or both")
     ap.add_argument("--page-reads", choices=("pointers", "tma", "both"), default="pointers",
                     help="full key blocks read through pointers, tensor descriptors (TMA, sm_90+), or both")
+    ap.add_argument("--value-splits", type=POSITIVE_INTS, default="1",
+                    help="programs sharing a tile's value columns (powers of two; pointer page reads only above 1)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
@@ -346,6 +350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    ("block-n", bns, lambda b: pow2(b, 16), "powers of two >= 16"),
                                    ("warps", warps, lambda w: pow2(w, 1) and w <= 32, "powers of two <= 32"),
                                    ("stages", stages, lambda x: x >= 1, ">= 1"),
+                                   ("value-splits", opts.value_splits, lambda v: pow2(v, 1), "powers of two"),
                                    ("page-size", [opts.page_size], lambda p: p >= 1, ">= 1")):
         if not all(ok(v) for v in values):
             ap.error(f"--{name} must be {want}, got {values}")
@@ -355,13 +360,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
         reads = {"pointers": (False,), "tma": (True,), "both": (False, True)}[opts.page_reads]
-        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t)
-                for *c, t in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads)]
+        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t, v_splits=v)
+                for *c, t, v in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads,
+                                                  opts.value_splits) if not (t and v > 1)]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
           f"triton={triton.__version__} "
           f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
-          f"{'regs':>5} "
+          f"{'vs':>2} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
           f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []

@@ -1,0 +1,123 @@
+"""The batch plan of the paged prefix-attention kernel (:mod:`relaygr_engine.kernels.prefix_attention`): a varlen
+batch's layout checked and cut into history and candidate tiles once on the host, reused by every layer's call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import quant
+from .._host import ship
+from ..config import KVDtype, parse_choice
+from . import _common as C
+from ._prefix_config import KernelConfig, history_tile_rows, pick_config
+from ._prefix_kernel import prefix_attention_kernel
+
+__all__ = ["PrefixAttentionPlan", "plan_prefix_attention"]
+
+
+@dataclass(frozen=True)
+class PrefixAttentionPlan:
+    """The schedule of one varlen batch: built once on the host, reused by every layer of a forward.
+
+    Like FlashInfer's ``plan``/``run`` split. The metadata is read from the device once to check it and to build
+    the tile tables. Then each layer's :func:`prefix_attention` call launches with no device-to-host read (a read
+    waits for all queued GPU work, so one per layer would serialise the host's launches with the kernels).
+
+    Attributes
+    ----------
+    block_m, hist_block_m : int
+        Query rows per candidate tile and per history tile (the tile tables are built for them).
+    batch, total_q : int
+        Users and query rows the plan was built for (checked against each call).
+    page_size, num_pages : int
+        Of the cache the page table was checked against (checked against each call).
+    hist_tiles, cand_tiles : int32 Tensor [2, n]
+        On the device: the history tiles and the candidate tiles, each column a tile's user and first row in that
+        user's segment (:func:`~relaygr_engine.kernels._common.tile_table`).
+    max_key_len : int
+        Longest prefix + segment of a user.
+    max_prefix_len : int
+        Longest cached prefix of a user (what split-prefix scheduling divides).
+    num_cached : int
+        Cached tokens over all users.
+    """
+
+    block_m: int
+    hist_block_m: int
+    batch: int
+    total_q: int
+    page_size: int
+    num_pages: int
+    hist_tiles: torch.Tensor
+    cand_tiles: torch.Tensor
+    max_key_len: int
+    num_cached: int
+    max_prefix_len: int = 0
+
+    @property
+    def num_tiles(self) -> int:
+        return self.hist_tiles.shape[1] + self.cand_tiles.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.hist_tiles.device
+
+
+def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device) -> PrefixAttentionPlan:
+    """Build the tile table of a checked layout (:func:`~relaygr_engine.kernels._common.check_page_table`'s values)
+    on ``device``."""
+    b = table.batch
+    cu, last = torch.tensor(table.cu_seqlens_q), torch.tensor(table.kv_last_page_len)
+    indptr = torch.tensor(table.kv_indptr)
+    seqlens, pages = cu[1:] - cu[:-1], indptr[1:] - indptr[:-1]
+    prefix = torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+    max_key_len = int((prefix + seqlens).max()) if b else 0
+    rows = seqlens.tolist()
+    hist = [n - c for n, c in zip(rows, table.num_candidates)]
+    hist_m = history_tile_rows(cfg, lambda m: sum(C.cdiv(n, m) for n in hist), max_key_len)
+    tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
+    return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
+                               tiles[0], tiles[1],
+                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)
+
+
+def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,
+                          block_m=None, kv_dtype="model") -> PrefixAttentionPlan:
+    """Check a batch's layout and build its tile schedule once, for every layer's :func:`prefix_attention` call.
+
+    Parameters
+    ----------
+    cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len : int32 Tensors
+        As in :func:`prefix_attention`, on the device of ``kv_cache``, or all five on the host (the CPU): host
+        copies of the tables the layers will be given are checked and planned without any read from the device.
+    kv_cache : Tensor [num_pages, 2, page_size, H, D]
+        A layer's cache: its page count, page size, head dim, dtype and device decide the tiles (all layers of a
+        model share them).
+    block_m : int, optional
+        Query rows per tile (both kinds); default: the device's rule (:func:`pick_config`).
+    kv_dtype : {"model", "fp8_e4m3", "int8"}
+        How ``kv_cache`` stores K/V (8-bit: ``uint8`` pages with scale slots, :mod:`relaygr_engine.quant`).
+
+    Returns
+    -------
+    PrefixAttentionPlan
+        Pass it as ``plan=`` to :func:`prefix_attention` for each layer.
+    """
+    kd = parse_choice(KVDtype, kv_dtype, "kv_dtype")
+    C.check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(torch.uint8,) if kd.quantized else C.FLOAT_DTYPES)
+    _check_block("block_m", block_m)
+    device = kv_cache.device
+    num_pages, page_size = kv_cache.shape[0], quant.token_page_size(kd, kv_cache.shape[2], kv_cache.shape[-1])
+    tables = (cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len)
+    on_host = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tables)
+    table = C.check_page_table(*tables, device=torch.device("cpu") if on_host else device, num_pages=num_pages,
+                               page_size=page_size, contiguous=True)
+    cfg = pick_config(device, kv_cache.dtype, kv_cache.shape[-1], block_m,
+                      interpreted=C.is_interpreted(prefix_attention_kernel))
+    return _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
+
+
+def _check_block(name: str, size) -> None:
+    if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
+        raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
