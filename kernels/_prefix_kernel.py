@@ -233,7 +233,8 @@ def _page_block(acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, o
                 kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
                 num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                V_SPLITS: tl.constexpr, CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+                V_SPLITS: tl.constexpr, CAND_TILES: tl.constexpr, HSTU: tl.constexpr, HAS_POS: tl.constexpr,
+                HAS_TS: tl.constexpr,
                 TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr, TS_ABS: tl.constexpr,
                 TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV8: tl.constexpr, FAST_SILU: tl.constexpr,
                 TMA: tl.constexpr, MASKED: tl.constexpr):
@@ -361,16 +362,16 @@ def prefix_attention_kernel(
             page_next = _page_ids(kv_indices_ptr, page_lo, start + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, start, hi, offs_m, offs_n, offs_d, offs_v, head, head_off,
-                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
-                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
+                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr,
+                num_pos, num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, V_SPLITS, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, False)
             page = page_next
         if full_hi < hi:  # the user's last, partial block (its page id came with the loop)
             acc, m_i, l_i = _page_block(
                 acc, m_i, l_i, q, q_pos, t_q, page, full_hi, hi, offs_m, offs_n, offs_d, offs_v, head, head_off,
-                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr, num_pos,
-                num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
+                num_heads, kv_ptr, kv_desc, kvs_ptr, ts_cache_ptr, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, tb_ptr,
+                num_pos, num_ts_bounds, stride_page, stride_kv, stride_slot, stride_ts_page, stride_tb, scale, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, V_SPLITS, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, True)
 

@@ -132,8 +132,9 @@ def test_value_splits_on_8bit_pages_match_one_program():
     args, bias = make_problem([(45, 20, 9), (33, 0, 4)], 16, 2, 32, seed=9)
     kv_cache = args["kv_cache"].nan_to_num(0.0)
     pages = quant.quantize_pages(kv_cache, KVDtype.INT8)
-    run = lambda parts: prefix_attention(**dict(args, kv_cache=pages), **attention_kwargs("hstu", bias, 32),  # noqa: E731
-                                         block_m=16, block_n=16, kv_dtype="int8", value_splits=parts)
+    kw = attention_kwargs("hstu", bias, 32)
+    run = lambda parts: prefix_attention(**dict(args, kv_cache=pages), **kw, block_m=16, block_n=16,  # noqa: E731
+                                         kv_dtype="int8", value_splits=parts)
     torch.testing.assert_close(run(2), run(1), atol=1e-5, rtol=0)
 
 

@@ -12,7 +12,8 @@ __all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head over "
-        "the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned). On CUDA every "
+        "time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
