@@ -7,12 +7,14 @@
 #
 # Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
 #   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
-#   3. STEPS="kernels-d256 kernels-splits rank profile-graphs ncu ncu-kernel"  (about 7)
-#   4. STEPS="rank-compile tiers sync"   (ptxas: the static report, done on any machine with the wheel's ptxas)
-#   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+#   3. STEPS="kernels-d256 kernels-vsplits-rank kernels-splits rank profile-graphs"  (about 6)
+#   4. STEPS="kernels-vsplits ncu ncu-kernel"       5. STEPS="rank-compile tiers sync"
+#   6+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+# (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-vsplits kernels-vsplits-rank
+# ptxas kernels-fp8 kernels-int8 sync
 # rank rank-compile profile profile-graphs ncu ncu-kernel
 # rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
@@ -40,7 +42,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-vsplits kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -71,6 +73,13 @@ step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/
 # the launcher's split count (auto) beside fixed ones, each a CUDA-graph replay.
 step kernels-splits 300 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
     --splits auto,1,7,15,31 --json "${OUT_DIR}/kernels-splits.json"
+# Head dim 256's value columns on one program or split over two (V_SPLITS; `auto` in the steps above lets the autotuner
+# pick): the long shapes, and the ranking layer with 128-row candidate tiles (8 warps, one program per SM) beside
+# 64-row ones (where the split's 4-warp config runs two programs per SM).
+step kernels-vsplits 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256 --value-splits 1,2 \
+    --json "${OUT_DIR}/kernels-vsplits.json"
+step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hstu \
+    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --value-splits 1,2 --block-m 128,64 --json "${OUT_DIR}/kernels-vsplits-rank.json"
 step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 # The 8-bit cache: the same shapes' pages in fp8 and int8 beside bf16 (kv8_speedup, kv8_err).
 step kernels-fp8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype fp8_e4m3 --json "${OUT_DIR}/kernels-fp8.json"

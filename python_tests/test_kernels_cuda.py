@@ -62,6 +62,33 @@ def test_prefix_attention_split_prefix_bf16_cuda(mode):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_value_splits_at_head_dim_256_bf16_cuda(mode, monkeypatch):
+    """Head dim 256 with the value columns over two programs, within bf16 tolerance of the reference: autotuned
+    among those configs (with and without a prefix split, and a fixed one), then each of them alone (the autotuner
+    returns its winner's output only), the one-warp-group config of 64-row tiles (4 warps) among them."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    users = [(2000, 40, 256), (0, 9, 3), (300, 0, 70)]
+    args, bias = make_problem(users, 64, 2, 256, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 256)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    for extra in (dict(), dict(splits=3), dict(block_m=64, block_n=32)):
+        out = prefix_attention(**args, **kw, value_splits=2, **extra)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(extra))
+    tuner = K.autotuned_kernel()
+    configs = [c for c in K.CUDA_CONFIGS if c.kwargs["V_SPLITS"] == 2]
+    assert {c.num_warps for c in configs} == {4, 8}
+    for config in configs:  # (the 4-warp one is offered for tiles of 64 rows)
+        monkeypatch.setattr(tuner, "early_config_prune", lambda configs, named, c=config, **kw: [c])
+        K.reset_autotuning()
+        out = prefix_attention(**args, **kw, value_splits=2, block_m=64 if config.num_warps == 4 else None)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(config))
+    K.reset_autotuning()
+
+
+@gpu
+@needs_cuda
 def test_new_batch_shapes_compile_no_new_kernel_binary():
     """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
     the attention kernel and of the bias-table kernel."""
