@@ -418,7 +418,10 @@ def prefix_attention_kernel(
                 acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
                                         True, DOT_PRECISION, False, FAST_SILU)
 
-        if SPLIT:  # partial state, merged by merge_splits: un-normalised sums (and softmax's running max and sum)
+        if SPLIT:  # partial state, merged by merge_splits: hstu's sum already over N (the merge adds them up),
+            # softmax's un-normalised sum with its running max and sum
+            if HSTU:
+                acc = acc * inv_norm
             ws_rows = (split * total_q + g_rows) * num_heads + head
             tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], acc,
                      mask=row_ok[:, None] & v_ok[None, :])

@@ -7,7 +7,8 @@ programs on 132 SMs, each streaming the whole prefix. With ``S`` splits, program
 chunk ``[s * L, (s + 1) * L)`` and writes its un-normalised partial state; split 0 also takes the self term and the
 new history rows. The merge is exact up to fp32 rounding:
 
-* hstu: the sum is pointwise, so ``out = sum_s acc_s / N``;
+* hstu: the sum is pointwise, so ``out = sum_s acc_s`` (each split's partial already divided by ``N``: the merge
+  is one reduction);
 * softmax: ``M = max_s m_s``, ``w_s = 2 ** (m_s - M)``, ``out = sum_s w_s acc_s / sum_s w_s l_s`` (log2 domain, as
   the kernel keeps its running max).
 """
@@ -43,24 +44,22 @@ def pick_splits(device: torch.device, num_work: int, max_prefix_len: int, splits
     return max(1, min(C.cdiv(2 * cores, num_work), max_prefix_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], inv_norm: float) -> torch.Tensor:
+def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> torch.Tensor:
     """Merge the kernel's partial states.
 
     Parameters
     ----------
     ws : float32 Tensor [S, total_q, H, D]
-        Un-normalised partial sums of each split.
+        Each split's partial sum: hstu's divided by ``N``, softmax's un-normalised.
     ml : float32 Tensor [S, total_q, H, 2], or None
         softmax: each split's running max (log2 domain) and running sum; None in hstu mode.
-    inv_norm : float
-        hstu: ``1 / N``.
 
     Returns
     -------
     float32 Tensor [total_q, H, D]
     """
     if ml is None:
-        return ws.sum(0).mul_(inv_norm)
+        return ws.sum(0)
     m, l = ml[..., 0], ml[..., 1]
     w = torch.exp2(m - m.amax(0))                        # [S, total_q, H]
     den = (w * l).sum(0)

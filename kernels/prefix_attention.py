@@ -328,5 +328,5 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                 num_splits, split_len, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand,
                                 HIST_TABLE=hist_table and not cand, **meta, **extra)
     if num_splits > 1:
-        out.copy_(merge_splits(ws, None if hstu else ml, inv_norm))
+        out.copy_(merge_splits(ws, None if hstu else ml))
     return out
