@@ -194,13 +194,14 @@ def test_triton_backend_through_the_engine(attention):
 def test_triton_forward_plans_once_for_all_layers(monkeypatch):
     """A Triton forward reads its page table back from the device once (one plan), not once per layer, and the op's
     validation does not read it again (the plan's check_page_table call is the only one with read=True)."""
-    from relaygr_engine.kernels import _common
+    from relaygr_engine.kernels import _common, _prefix_plan
     from relaygr_engine.kernels import prefix_attention as pa
     if not _common.interpreter_active():
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton's first import)")
     calls, table_reads = [], []
-    real, real_check = pa._plan, _common.check_page_table
-    monkeypatch.setattr(pa, "_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, real_check = _prefix_plan._plan, _common.check_page_table
+    for module in (pa, _prefix_plan):  # a call planning for itself, and plan_prefix_attention
+        monkeypatch.setattr(module, "_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(_common, "check_page_table",
                         lambda *a, **k: table_reads.append(k.get("read", True)) or real_check(*a, **k))
     model = make_model("hstu")
