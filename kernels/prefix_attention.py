@@ -174,7 +174,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         value_splits`` columns of its output, so its accumulator takes that many times fewer registers (what bounds
         a tile at head dim 256) for scores computed ``value_splits`` times. Default: 1, autotuned over 1 and 2
         above head dim 128 on CUDA (:mod:`~relaygr_engine.kernels._prefix_config`); with ``block_n`` autotuned
-        only 1 or 2 can be asked for; ``"tma"`` page reads take 1.
+        only 1 or 2 can be asked for; ``"tma"`` page reads take 1. Asked for, they count as programs where the
+        prefix split count is chosen (``splits=None``).
 
     Returns
     -------
@@ -258,7 +259,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
-    num_splits = pick_splits(device, plan.num_tiles * num_heads, plan.max_prefix_len, splits,
+    # (a caller's value splits multiply the programs per tile; the autotuner's are not known here)
+    num_splits = pick_splits(device, plan.num_tiles * num_heads * (value_splits or 1), plan.max_prefix_len, splits,
                              interpreted=C.is_interpreted(_prefix_attention_kernel))
     align = max(SPLIT_ALIGN, cfg.block_n or 0)  # a split starts on a key block: only a user's last block is masked
     split_len = C.cdiv(C.cdiv(max(plan.max_prefix_len, 1), num_splits), align) * align
