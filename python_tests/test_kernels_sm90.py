@@ -101,8 +101,31 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
     assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
+    from relaygr_engine.bench.sm_limits import programs_per_sm
+
+    assert row["programs_per_sm"] == programs_per_sm(row["registers"], row["shared_bytes"], 4) >= 1
+    assert f"max_programs_per_sm_cand_d64={row['programs_per_sm']}" in last
     bad = subprocess.run(cmd[:5] + ["--modes", "flash"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--modes must name" in bad.stderr
+    bad = subprocess.run(cmd[:5] + ["--arch", "75"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--arch must be one of [80, 86, 89, 90, 100, 120], got 75" in bad.stderr
+
+
+def test_programs_per_sm_takes_the_tightest_of_registers_shared_memory_and_slots():
+    """Static occupancy on sm_90: registers are allocated per warp in units of 256 and each block reserves 1 KB of
+    shared memory; a block past the per-block limit fits nowhere."""
+    from relaygr_engine.bench.sm_limits import limits, programs_per_sm
+
+    assert programs_per_sm(255, 81920, 4) == 2      # 4 warps x 8192 registers: two blocks fill 64K
+    assert programs_per_sm(255, 196608, 8) == 1     # the 128-row head-dim-256 tile
+    assert programs_per_sm(130, 49152, 4) == 3      # 136 registers a thread once rounded: 15 warps' worth
+    assert programs_per_sm(128, 110 * 1024, 4) == 2  # shared memory: 2 x (110 KB + 1 KB) of 228 KB
+    assert programs_per_sm(32, 0, 1) == 32          # block slots
+    assert programs_per_sm(32, 0, 4) == 16          # warp slots: 64 / 4
+    assert programs_per_sm(64, 232449, 4) == 0      # over the 227 KB a block may opt into
+    assert programs_per_sm(255, 0, 4, arch=86) == 2 and limits(86).max_warps == 48
+    with pytest.raises(ValueError, match=r"arch must be one of \[80, 86, 89, 90, 100, 120\], got 75"):
+        programs_per_sm(32, 0, 4, arch=75)
 
 
 @pytest.mark.slow

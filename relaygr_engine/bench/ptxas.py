@@ -35,12 +35,10 @@ from typing import Optional
 
 from ..cli_args import ArgumentParser, POSITIVE_INTS
 from .sass import Mix, instruction_mix
+from .sm_limits import LIMITS, limits, programs_per_sm
 
 __all__ = ["Build", "compile_attention", "compile_kernel", "default_grid", "ptxas_report", "main"]
 
-# Shared memory one program may opt into, per compute capability (bytes; CUDA programming guide, "Technical
-# Specifications per Compute Capability").
-SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 MODES = ("softmax", "hstu", "hstu-inkernel", "hstu-nobias")
 BIASED = ("hstu", "hstu-inkernel")
 
@@ -74,6 +72,7 @@ class Build:
     spill_load_bytes: int
     shared_bytes: int
     fits: bool             # shared memory within the target's per-block limit
+    programs_per_sm: int   # programs one SM holds at once (registers, shared memory, warp and block slots)
     sass: Mix              # the whole kernel
     loop: Mix              # its key loop
     compile_s: float
@@ -217,8 +216,9 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
-    limit = smem_limit or SMEM_LIMIT.get(arch, 49152)
-    return Build(cfg, regs, st, ld, smem, smem <= limit, whole, loop, time.perf_counter() - t0)
+    limit = smem_limit or limits(arch).smem_per_block
+    return Build(cfg, regs, st, ld, smem, smem <= limit, programs_per_sm(regs, smem, cfg.num_warps, arch), whole, loop,
+                 time.perf_counter() - t0)
 
 
 def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True) -> list[Config]:
@@ -294,6 +294,7 @@ def _row(b: Build) -> str:
             f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {'y' if c.tma else 'n':>3} "
             f"{c.v_splits:>2} {b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
+            f"{b.programs_per_sm:>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
             f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4}")
 
@@ -327,6 +328,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if opts.arch not in LIMITS:
+        ap.error(f"--arch must be one of {sorted(LIMITS)}, got {opts.arch}")
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes must name {', '.join(map(repr, MODES))} (one or more), got {opts.modes!r}")
     try:
@@ -365,11 +368,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                   opts.value_splits) if not (t and v > 1)]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
           f"triton={triton.__version__} "
-          f"smem_limit={SMEM_LIMIT.get(opts.arch, 49152)}  ({len(grid)} configs; static report, nothing launched)")
+          f"smem_limit={limits(opts.arch).smem_per_block}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
           f"{'vs':>2} {'regs':>5} "
-          f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'instr':>6} {'mma':>4} {'ldg':>4} {'async':>5} "
-          f"{'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
+          f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
+          f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []
     for cfg in grid:
         rows.append(build(cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch))
@@ -386,6 +389,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         default = [b for b in rows if b.config.mode != "hstu-nobias"]
         fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
                       default_over_smem=sum(not b.fits for b in default))
+    for d in sorted({b.config.head_dim for b in clean if b.config.cand_tiles}):  # candidate tiles' best occupancy
+        fields[f"max_programs_per_sm_cand_d{d}"] = max(b.programs_per_sm for b in clean
+                                                      if b.config.cand_tiles and b.config.head_dim == d)
     fields.update(_bias_ratios(rows))
     fields.update(_special_per_score(rows))
     fields["kv_dtype"] = opts.kv_dtype
