@@ -67,10 +67,12 @@ def _fit_descriptor(nargs) -> None:
 CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1}, num_warps=w, num_stages=s,
                                pre_hook=_fit_descriptor)
                 for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
-# Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only.
+# Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only, the
+# configs that compile spill-free at head dim 256 (warps, BLOCK_N, stages; ``_clean_value_split``).
 AUTOTUNE_V_SPLITS = (1, 2)
 CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2}, num_warps=w, num_stages=s)
-                 for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
+                 for w, bn, s in ((CUDA_NUM_WARPS, 32, 2), (CUDA_NUM_WARPS, 32, 3), (CUDA_NUM_WARPS, 64, 2),
+                                  (4, 32, 2))]
 # 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
 # spill (28 bytes at 2 stages, int8); 16-key blocks do not.
 NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
@@ -100,15 +102,13 @@ def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, 
 
 
 def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
-    """Whether a config splitting the value columns in two compiles spill-free and fits shared memory on sm_90
+    """Whether a config of :data:`CUDA_CONFIGS` splitting the value columns in two compiles spill-free on sm_90
     (bf16; read off ``benchmarks/results/ptxas-sm90-value-splits.txt`` at head dim 256, where the halved
-    accumulator is what it buys): on 8 warps 32-key blocks at 2 or 3 stages, 64-key blocks at 2 (not for 128-row
-    history tiles computing HSTU's bias in the kernel); on 4 warps (one warp group, so two programs per SM) 64-row
-    tiles with 32-key blocks at 2 stages."""
-    bn, stages = c.kwargs["BLOCK_N"], c.num_stages
+    accumulator is what it buys): its 4-warp config (one warp group, so two programs per SM) for 64-row tiles; its
+    64-key blocks on 8 warps except for 128-row history tiles computing HSTU's bias in the kernel."""
     if c.num_warps != CUDA_NUM_WARPS:
-        return rows <= 64 and bn == 32 and stages == 2
-    return bn == 32 or (stages == 2 and not (row_bias and rows > 64))
+        return rows <= 64
+    return c.kwargs["BLOCK_N"] == 32 or not (row_bias and rows > 64)
 
 
 def prune_configs(configs, named_args, **kwargs):

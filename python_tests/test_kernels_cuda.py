@@ -76,13 +76,20 @@ def test_value_splits_at_head_dim_256_bf16_cuda(mode, monkeypatch):
     for extra in (dict(), dict(splits=3), dict(block_m=64, block_n=32)):
         out = prefix_attention(**args, **kw, value_splits=2, **extra)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(extra))
-    tuner = K.autotuned_kernel()
+    tuner, real = K.autotuned_kernel(), K.prune_configs
     configs = [c for c in K.CUDA_CONFIGS if c.kwargs["V_SPLITS"] == 2]
     assert {c.num_warps for c in configs} == {4, 8}
     for config in configs:  # (the 4-warp one is offered for tiles of 64 rows)
-        monkeypatch.setattr(tuner, "early_config_prune", lambda configs, named, c=config, **kw: [c])
+        offered = []
+
+        def only(candidates, named, c=config, **meta):
+            offered.append(c in real(candidates, named, **meta))
+            return [c]
+
+        monkeypatch.setattr(tuner, "early_config_prune", only)
         K.reset_autotuning()
         out = prefix_attention(**args, **kw, value_splits=2, block_m=64 if config.num_warps == 4 else None)
+        assert offered and all(offered), config  # each launch (history and candidate tiles) would offer it
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(config))
     K.reset_autotuning()
 
