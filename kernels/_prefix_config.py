@@ -73,6 +73,13 @@ AUTOTUNE_V_SPLITS = (1, 2)
 CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2}, num_warps=w, num_stages=s)
                  for w, bn, s in ((CUDA_NUM_WARPS, 32, 2), (CUDA_NUM_WARPS, 32, 3), (CUDA_NUM_WARPS, 64, 2),
                                   (4, 32, 2))]
+# Registers capped (ptx .maxnreg): uncapped, candidate tiles take 152-212 registers a thread at head dim 64, so one
+# 8-warp program fills an SM's registers; capped at 128, two fit, and 32-key blocks at 2 stages still compile
+# spill-free there (both modes, both page reads; ``benchmarks/results/ptxas-sm90-capped.txt``). At head dim 128 they
+# spill kilobytes: offered for candidate tiles up to head dim 64, pages in the model's dtype.
+CAPPED_REGS = 128
+CUDA_CONFIGS += [triton.Config({"BLOCK_N": 32, "TMA": tma, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
+                               maxnreg=CAPPED_REGS, pre_hook=_fit_descriptor) for tma in (False, True)]
 # 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
 # spill (28 bytes at 2 stages, int8); 16-key blocks do not.
 NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
@@ -114,7 +121,8 @@ def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
 def prune_configs(configs, named_args, **kwargs):
     """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16): without
     value splits as :func:`_clean_one_program` says, with two as :func:`_clean_value_split` says, offered above
-    head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); 8-bit pages with the
+    head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); with registers capped
+    (:data:`CAPPED_REGS`) for candidate tiles up to head dim 64 on pages in the model's dtype; 8-bit pages with the
     in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes. Configs reading
     pages through a tensor descriptor are offered as ``TMA_READS`` allows (they compile as the pointer configs do)
     when a key block lies in one page."""
@@ -125,8 +133,10 @@ def prune_configs(configs, named_args, **kwargs):
     row_bias = biased and not cand and not meta.get("HIST_TABLE", False)
     cand_bias = biased and cand
     reads, page_size = meta.get("TMA_READS", TMA_OFF), meta.get("PAGE_SIZE", 0)
-    narrow = meta.get("KV8", False) and row_bias and head_dim > 128
+    kv8 = meta.get("KV8", False)
+    narrow = kv8 and row_bias and head_dim > 128
     pick = meta.get("V_SPLITS_PICK", 0)
+    capped_ok = cand and head_dim <= 64 and not kv8
 
     def offered(c) -> bool:
         splits = c.kwargs["V_SPLITS"]
@@ -138,6 +148,7 @@ def prune_configs(configs, named_args, **kwargs):
             if (c is NARROW_CONFIG) == narrow and offered(c)
             and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
+            and (c.maxnreg is None or capped_ok)
             and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias) if c.kwargs["V_SPLITS"] > 1
                                         else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias)))]
     return kept or [c for c in configs if offered(c)][:1] or configs[:1]

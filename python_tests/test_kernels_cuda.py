@@ -96,6 +96,41 @@ def test_value_splits_at_head_dim_256_bf16_cuda(mode, monkeypatch):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_register_capped_configs_at_head_dim_64_bf16_cuda(mode, monkeypatch):
+    """The configs with registers capped at 128 (two 8-warp programs per SM), each forced in turn for the candidate
+    tiles, within bf16 tolerance of the reference."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    args, bias = make_problem([(1500, 20, 300), (64, 0, 40)], 64, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 64)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    tuner, real = K.autotuned_kernel(), K.prune_configs
+    capped = [c for c in K.CUDA_CONFIGS if c.maxnreg == K.CAPPED_REGS]
+    reads = ["pointers", "tma"] if tma_device(torch.device("cuda")) else ["pointers"]
+    assert len(capped) == 2
+    for config in capped:
+        if config.kwargs["TMA"] and "tma" not in reads:
+            continue
+        offered = []
+
+        def only(candidates, named, c=config, **meta):
+            kept = real(candidates, named, **meta)
+            if not meta.get("CAND_TILES", named.get("CAND_TILES")):
+                return kept  # history tiles: their own configs
+            offered.append(c in kept)
+            return [c]
+
+        monkeypatch.setattr(tuner, "early_config_prune", only)
+        K.reset_autotuning()
+        out = prefix_attention(**args, **kw, page_reads="tma" if config.kwargs["TMA"] else "pointers")
+        assert offered == [True], config
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(config))
+    K.reset_autotuning()
+
+
+@gpu
+@needs_cuda
 def test_new_batch_shapes_compile_no_new_kernel_binary():
     """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
     the attention kernel and of the bias-table kernel."""

@@ -182,12 +182,14 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
     offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
     stages except for 128-row history tiles computing their bias; on 4 warps 64-row tiles, 32-key blocks, 2
-    stages."""
+    stages. Registers capped at 128 (two 8-warp programs per SM): candidate tiles up to head dim 64, 32-key blocks,
+    2 stages, pages in the model's dtype."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(warps=8, splits=1, **meta):
+    def kept(warps=8, splits=1, capped=False, **meta):
         return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta)
-                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits)
+                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits
+                      and (c.maxnreg == K.CAPPED_REGS) == capped)
 
     all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
     assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
@@ -216,6 +218,11 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     assert kept(8, 2, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == [(32, 2), (32, 3), (64, 2)]
     assert kept(8, 1, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == []
     assert kept(8, 2, **cand256, V_SPLITS_PICK=1) == [] and kept(8, 1, **cand256, V_SPLITS_PICK=1) == [(32, 3)]
+    cand64 = dict(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
+    assert kept(capped=True, **cand64) == [(32, 2)] == kept(capped=True, **dict(cand64, HSTU=False))
+    for meta in (dict(cand64, HEAD_DIM=128), dict(cand64, CAND_TILES=False), dict(cand64, KV8=True),
+                 dict(cand64, V_SPLITS_PICK=2)):
+        assert kept(capped=True, **meta) == [], meta
 
 
 def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
