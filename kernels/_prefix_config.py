@@ -18,7 +18,8 @@ from ._prefix_kernel import prefix_attention_kernel
 class KernelConfig:
     """Tile sizes and launch shape of one call: rows of a candidate tile (``block_m``) and of a history tile
     (``hist_block_m``; ``hist_fallback_m`` where the batch's history rows of the bias table would pass its budget),
-    keys per block (``block_n=None``: autotuned on CUDA)."""
+    keys per block (``block_n=None``: autotuned on CUDA), programs sharing a tile's rows in a launch of fixed
+    tile sizes (``row_splits``; the autotuner picks its own)."""
 
     block_m: int
     block_n: Optional[int]
@@ -26,6 +27,7 @@ class KernelConfig:
     num_stages: Optional[int] = None
     hist_block_m: Optional[int] = None
     hist_fallback_m: Optional[int] = None
+    row_splits: int = 1
 
     def __post_init__(self):
         if self.hist_block_m is None:
@@ -64,26 +66,28 @@ def _fit_descriptor(nargs) -> None:
         nargs["kv_desc"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
 
 
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1}, num_warps=w, num_stages=s,
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=w, num_stages=s,
                                pre_hook=_fit_descriptor)
                 for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
 # Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only, the
-# configs that compile spill-free at head dim 256 (warps, BLOCK_N, stages; ``_clean_value_split``).
+# configs that compile spill-free at head dim 256 (warps, BLOCK_N, stages; ``_clean_value_split``). The 4-warp one
+# (one warp group, two programs per SM) takes 64 rows: a 64-row tile whole, a 128-row tile as two programs of 64
+# rows each (M_SPLITS), so the autotuner weighs it against the 8-warp configs at the launcher's 128-row tiles.
 AUTOTUNE_V_SPLITS = (1, 2)
-CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2}, num_warps=w, num_stages=s)
-                 for w, bn, s in ((CUDA_NUM_WARPS, 32, 2), (CUDA_NUM_WARPS, 32, 3), (CUDA_NUM_WARPS, 64, 2),
-                                  (4, 32, 2))]
+CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2, "M_SPLITS": m}, num_warps=w, num_stages=s)
+                 for w, bn, s, m in ((CUDA_NUM_WARPS, 32, 2, 1), (CUDA_NUM_WARPS, 32, 3, 1), (CUDA_NUM_WARPS, 64, 2, 1),
+                                     (4, 32, 2, 1), (4, 32, 2, 2))]
 # Registers capped (ptx .maxnreg): uncapped, candidate tiles take 152-212 registers a thread at head dim 64, so one
 # 8-warp program fills an SM's registers; capped at 128, two fit, and 32-key blocks at 2 stages still compile
 # spill-free there (both modes, both page reads; ``benchmarks/results/ptxas-sm90-capped.txt``). At head dim 128 they
 # spill kilobytes: offered for candidate tiles up to head dim 64, pages in the model's dtype.
 CAPPED_REGS = 128
-CUDA_CONFIGS += [triton.Config({"BLOCK_N": 32, "TMA": tma, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
-                               maxnreg=CAPPED_REGS, pre_hook=_fit_descriptor) for tma in (False, True)]
+CUDA_CONFIGS += [triton.Config({"BLOCK_N": 32, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=CUDA_NUM_WARPS,
+                               num_stages=2, maxnreg=CAPPED_REGS, pre_hook=_fit_descriptor) for tma in (False, True)]
 # 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
 # spill (28 bytes at 2 stages, int8); 16-key blocks do not.
-NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1}, num_warps=CUDA_NUM_WARPS, num_stages=2,
-                              pre_hook=_fit_descriptor)
+NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=CUDA_NUM_WARPS,
+                              num_stages=2, pre_hook=_fit_descriptor)
 CUDA_CONFIGS.append(NARROW_CONFIG)
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 TMA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS if c.kwargs["TMA"])
@@ -111,10 +115,12 @@ def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, 
 def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
     """Whether a config of :data:`CUDA_CONFIGS` splitting the value columns in two compiles spill-free on sm_90
     (bf16; read off ``benchmarks/results/ptxas-sm90-value-splits.txt`` at head dim 256, where the halved
-    accumulator is what it buys): its 4-warp config (one warp group, so two programs per SM) for 64-row tiles; its
-    64-key blocks on 8 warps except for 128-row history tiles computing HSTU's bias in the kernel."""
+    accumulator is what it buys): its 4-warp configs (one warp group, so two programs per SM) where each program
+    takes 64 rows (a 64-row tile whole, a 128-row one in two); its 64-key blocks on 8 warps except for 128-row
+    history tiles computing HSTU's bias in the kernel."""
     if c.num_warps != CUDA_NUM_WARPS:
-        return rows <= 64
+        sub = rows // c.kwargs["M_SPLITS"]
+        return sub <= 64 and (c.kwargs["M_SPLITS"] == 1 or sub == 64)
     return c.kwargs["BLOCK_N"] == 32 or not (row_bias and rows > 64)
 
 

@@ -22,7 +22,9 @@ else compute the bias per (row, key) (:mod:`relaygr_engine.kernels._bias`).
 
 With ``V_SPLITS > 1``, ``V_SPLITS`` programs (grid axis 1) share a tile: each computes all its scores (from every
 column of q and K) and ``BLOCK_D / V_SPLITS`` of its output columns (of V), so its accumulator takes that many times
-fewer registers, which bound a tile at head dim 256, for scores computed ``V_SPLITS`` times.
+fewer registers, which bound a tile at head dim 256, for scores computed ``V_SPLITS`` times. With ``M_SPLITS > 1``
+the tile's rows are shared the same way (``BLOCK_M / M_SPLITS`` each, nothing computed twice): a 128-row tile as two
+programs of one warp group each.
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
@@ -291,22 +293,30 @@ def prefix_attention_kernel(
     HIST_TABLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
     KV8: tl.constexpr, FAST_SILU: tl.constexpr, TMA: tl.constexpr,
     V_SPLITS: tl.constexpr,                           # programs sharing a tile's value columns (grid axis 1)
+    M_SPLITS: tl.constexpr,                           # programs sharing a tile's rows (grid axis 1)
     TMA_READS: tl.constexpr, V_SPLITS_PICK: tl.constexpr,  # (read by the autotuner's pruning only: _prefix_config)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
     TABLE: tl.constexpr = BIAS and (CAND_TILES or HIST_TABLE)  # the bias comes from the bias table
     BLOCK_DV: tl.constexpr = BLOCK_D // V_SPLITS          # value columns of this program
+    SUB_M: tl.constexpr = BLOCK_M // M_SPLITS              # rows of this program
     tl.static_assert(not (TMA and KV8))  # 8-bit pages read through pointers
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    v_part = 0                                              # which value columns of the tile (grid axis 1) ...
+    if V_SPLITS > 1:
+        v_part = tl.program_id(1) % V_SPLITS
+    m_part = 0                                              # ... and which of its rows
+    if M_SPLITS > 1:
+        m_part = tl.program_id(1) // V_SPLITS
+    offs_m = tl.arange(0, SUB_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)                          # q and k: every column (the scores need them all)
     d_ok = offs_d < HEAD_DIM
     if V_SPLITS == 1:  # (one program per tile: V's addresses are K's, shifted by stride_kv)
         offs_v = offs_d
     else:              # v, the output: this program's columns
-        offs_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        offs_v = v_part * BLOCK_DV + tl.arange(0, BLOCK_DV)
     v_ok = offs_v < HEAD_DIM
     qk_scale = scale * LOG2E
     if PERSISTENT:
@@ -323,7 +333,7 @@ def prefix_attention_kernel(
         tile = work // num_splits // num_heads
         head = work // num_splits % num_heads
         user = tl.load(tile_user_ptr + tile)
-        row0 = tl.load(tile_row_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile) + m_part * SUB_M  # this program's first row
         q_start = tl.load(cu_q_ptr + user)
         seqlen = tl.load(cu_q_ptr + user + 1) - q_start
         n_hist = seqlen - tl.load(num_cand_ptr + user)
@@ -335,8 +345,10 @@ def prefix_attention_kernel(
         row_end = seqlen if CAND_TILES else n_hist
         live = row0 < row_end                                   # else a padding tile: no key is read
         row_ok = rows < row_end
-        # The tile's rows of the bias table: its user's row (candidates), the tile's BLOCK_M rows (history).
-        tb_ptr = bias_table_ptr + (user if CAND_TILES else tile * BLOCK_M).to(tl.int64) * stride_tb
+        # The tile's rows of the bias table: its user's row (candidates), this program's rows of the tile's BLOCK_M
+        # (history).
+        tb_row = user if CAND_TILES else tile * BLOCK_M + m_part * SUB_M
+        tb_ptr = bias_table_ptr + tb_row.to(tl.int64) * stride_tb
         if CAND_TILES:
             q_pos = prefix_len + n_hist                         # every candidate's position
         else:
@@ -347,9 +359,9 @@ def prefix_attention_kernel(
         g_rows = (q_start + rows).to(tl.int64)                  # rows of q/k/v/out
         q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # softmax: running max of log2-scaled logits
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)           # softmax: running sum of exp2(logit - m_i)
+        acc = tl.zeros([SUB_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([SUB_M], -1.0e30, dtype=tl.float32)     # softmax: running max of log2-scaled logits
+        l_i = tl.zeros([SUB_M], dtype=tl.float32)             # softmax: running sum of exp2(logit - m_i)
 
         # 1. This split's chunk [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
         lo = tl.multiple_of(split * split_len, 16)  # split_len is a multiple of every BLOCK_N (SPLIT_ALIGN)
@@ -377,7 +389,7 @@ def prefix_attention_kernel(
 
         # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
         # (New history is short next to the prefix: every block is masked.)
-        n_end = n_hist if CAND_TILES else tl.minimum(row0 + BLOCK_M, n_hist)
+        n_end = n_hist if CAND_TILES else tl.minimum(row0 + SUB_M, n_hist)
         n_end = tl.where(live & (split == 0), n_end, 0)
         k_head = head * stride_kh
         v_head = head * stride_vh
@@ -426,7 +438,7 @@ def prefix_attention_kernel(
             tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], acc,
                      mask=row_ok[:, None] & v_ok[None, :])
             if not HSTU:
-                if tl.program_id(1) == 0:  # (every value split holds the same m_i and l_i: the first stores them)
+                if v_part == 0:  # (every value split holds the same m_i and l_i: the first stores them)
                     tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
                     tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
         else:

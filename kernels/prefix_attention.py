@@ -90,9 +90,10 @@ def _check_value_splits(value_splits, head_dim: int) -> None:
 
 
 def _grid(programs: int):
-    """A launch's grid: ``programs`` (tiles x heads x prefix splits, or one per core) by the config's value
-    splits (``V_SPLITS``, set by the caller or the autotuner)."""
-    return lambda meta: (programs, meta["V_SPLITS"])
+    """A launch's grid: ``programs`` (tiles x heads x prefix splits, or one per core) by the programs sharing a
+    tile (its value splits times its row splits: ``V_SPLITS`` x ``M_SPLITS``, set by the caller or the
+    autotuner)."""
+    return lambda meta: (programs, meta["V_SPLITS"] * meta["M_SPLITS"])
 
 
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
@@ -315,7 +316,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         kernel, extra = autotuned_kernel(), {}
     else:
         kernel, extra = _prefix_attention_kernel, dict(BLOCK_N=cfg.block_n, TMA=tma_reads == TMA_ONLY,
-                                                       V_SPLITS=value_splits or 1)
+                                                       V_SPLITS=value_splits or 1, M_SPLITS=cfg.row_splits)
         if cfg.num_warps is not None:
             extra.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with C.device_guard(device):

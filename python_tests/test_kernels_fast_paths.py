@@ -123,6 +123,26 @@ def test_value_splits_share_a_tile_and_match_the_reference(mode, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_row_splits_share_a_tile_and_match_the_reference(mode, monkeypatch):
+    """``M_SPLITS`` (the autotuner's choice on CUDA; here a fixed config's ``row_splits``): two programs on grid
+    axis 1 each take half of a tile's rows, with their rows of the bias table or the bias computed in the kernel,
+    split over the prefix or not, with the value columns split too (four programs a tile); the result is the
+    reference's within 1e-4. A grid without the second half's programs leaves rows unwritten and fails."""
+    from relaygr_engine.kernels import prefix_attention as pa
+
+    monkeypatch.setattr(pa, "pick_config", lambda *a, **k: pa.KernelConfig(32, 16, row_splits=2))
+    args, bias = make_problem([(45, 40, 9), (16, 3, 0), (0, 7, 37)], 16, 2, 32, seed=7)
+    kw = attention_kwargs(mode, bias, 32)
+    for splits, budget, parts in ((1, None, None), (3, None, None), (1, 0, None), (3, None, 2)):
+        check_attention(args, kw, persistent=splits > 1, splits=splits, bias_table_bytes=budget, value_splits=parts)
+    monkeypatch.setattr(pa, "_grid", lambda programs: lambda meta: (programs, meta["V_SPLITS"]))
+    monkeypatch.setattr(torch, "empty_like", lambda x, **k: torch.full_like(x, float("nan"), **k))
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False)
+
+
+@needs_interpreter
 def test_value_splits_count_as_programs_when_the_prefix_splits_are_chosen(monkeypatch):
     """The prefix split rule is given every program of a tile: tiles x heads x the caller's value splits."""
     from relaygr_engine.kernels import prefix_attention as pa

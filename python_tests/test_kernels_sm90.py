@@ -166,7 +166,8 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     assert float(result["mufu_per_score_softmax_cand"]) > 1.0  # its exp2, plus each row's rescale
     hist4 = [r for r in rows if not r["config"]["cand_tiles"] and r["config"]["num_warps"] == 4]
     assert {r["config"]["tma"] for r in rows} == {False, True}  # pointer and tensor-descriptor page reads
-    assert hist4 and all(r["loop"]["special"] * 128 == r["config"]["block_m"] * r["config"]["block_n"]
+    assert hist4 and all(r["loop"]["special"] * 128 * r["config"]["m_splits"]
+                         == r["config"]["block_m"] * r["config"]["block_n"]
                          for r in hist4 if r["config"]["mode"].startswith("hstu"))
     # reading the bias table costs a history tile less than computing it
     assert float(result["bias_loop_ratio_hist"]) < float(result["bias_loop_ratio_hist_inkernel"])
@@ -181,14 +182,14 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
     bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
     offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
-    stages except for 128-row history tiles computing their bias; on 4 warps 64-row tiles, 32-key blocks, 2
-    stages. Registers capped at 128 (two 8-warp programs per SM): candidate tiles up to head dim 64, 32-key blocks,
-    2 stages, pages in the model's dtype."""
+    stages except for 128-row history tiles computing their bias; on 4 warps 64 rows a program, 32-key blocks, 2
+    stages (a 128-row tile as two such programs). Registers capped at 128 (two 8-warp programs per SM): candidate
+    tiles up to head dim 64, 32-key blocks, 2 stages, pages in the model's dtype."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(warps=8, splits=1, capped=False, **meta):
+    def kept(warps=8, splits=1, capped=False, rows=1, **meta):
         return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta)
-                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits
+                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits and c.kwargs["M_SPLITS"] == rows
                       and (c.maxnreg == K.CAPPED_REGS) == capped)
 
     all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
@@ -208,6 +209,9 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     cand256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
     assert kept(8, 2, **cand256, BLOCK_M=128) == [(32, 2), (32, 3), (64, 2)]
     assert kept(4, 2, **cand256, BLOCK_M=128) == [] and kept(4, 2, **cand256, BLOCK_M=64) == [(32, 2)]
+    assert kept(4, 2, rows=2, **cand256, BLOCK_M=128) == [(32, 2)]  # two programs of 64 rows
+    assert kept(4, 2, rows=2, **cand256, BLOCK_M=64) == [] and kept(4, 2, **cand256, BLOCK_M=32) == [(32, 2)]
+    assert all(c.kwargs["M_SPLITS"] == 1 for c in K.CUDA_CONFIGS if c.num_warps == K.CUDA_NUM_WARPS)
     hist256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True)
     assert kept(8, 2, **hist256, BLOCK_M=128) == [(32, 2), (32, 3)]
     assert kept(8, 2, **hist256, BLOCK_M=64) == [(32, 2), (32, 3), (64, 2)]

@@ -60,6 +60,7 @@ class Config:
     kv_dtype: str = "model"   # "int8" / "fp8_e4m3": 8-bit pages (relaygr_engine.quant)
     tma: bool = False         # full key blocks through a tensor descriptor (sm_90+), not pointers
     v_splits: int = 1         # programs sharing a tile's value columns (V_SPLITS)
+    m_splits: int = 1         # programs sharing a tile's rows (M_SPLITS: each takes block_m / m_splits)
     maxnreg: Optional[int] = None  # registers a thread may use at most (ptx .maxnreg; None: ptxas chooses)
 
 
@@ -150,12 +151,12 @@ def attention_values(head_dim: int, page_size: int, heads: int, slots: Optional[
 def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, num_warps: int, num_stages: int,
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
                       cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model",
-                      hist_table: bool = True, tma: bool = False, v_splits: int = 1,
+                      hist_table: bool = True, tma: bool = False, v_splits: int = 1, m_splits: int = 1,
                       maxnreg: Optional[int] = None):
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
     (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``), full key blocks read through
-    pointers or (``tma``) tensor descriptors, value columns split over ``v_splits`` programs, registers capped at
-    ``maxnreg`` per thread. History tiles read
+    pointers or (``tma``) tensor descriptors, value columns split over ``v_splits`` programs and rows over
+    ``m_splits``, registers capped at ``maxnreg`` per thread. History tiles read
     their bias from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the
     kernel."""
     import torch
@@ -176,7 +177,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
                       KV8=KVDtype(kv_dtype).quantized,
                       FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
-                      TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits)
+                      TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits, M_SPLITS=m_splits)
     types = attention_types("*" + dtype)
     if tma:
         types["kv_desc"] = f"tensordesc<{dtype}[{block_n}, {head_dim}]>"
@@ -219,7 +220,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
                                    bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
                                    hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma, v_splits=cfg.v_splits,
-                                   maxnreg=cfg.maxnreg)
+                                   m_splits=cfg.m_splits, maxnreg=cfg.maxnreg)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -256,7 +257,8 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
                                    PAGE_SIZE=page_size, KV8=kv_dtype != "model",
                                    TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
             grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
-                            tma=c.kwargs["TMA"], v_splits=c.kwargs["V_SPLITS"], maxnreg=c.maxnreg) for c in kept]
+                            tma=c.kwargs["TMA"], v_splits=c.kwargs["V_SPLITS"], m_splits=c.kwargs["M_SPLITS"],
+                            maxnreg=c.maxnreg) for c in kept]
     return grid
 
 
@@ -283,12 +285,13 @@ def _bias_ratios(rows: list[Build]) -> dict:
 def _special_per_score(rows: list[Build]) -> dict:
     """Special-function instructions (exp2, reciprocal, tanh) per score of the key loop, max over the configs of
     each mode and tile kind: the loop's ``mufu`` per thread times the threads, over the block's scores
-    ``BLOCK_M * BLOCK_N``. Softmax needs one (its exp2, plus one per row for the rescale); HSTU's SiLU two (exp2
-    and a reciprocal), or one through an approximate tanh; a config whose warp groups compute the same scores
-    counts each time."""
+    ``BLOCK_M / M_SPLITS * BLOCK_N`` (a program's rows). Softmax needs one (its exp2, plus one per row for the
+    rescale); HSTU's SiLU two (exp2 and a reciprocal), or one through an approximate tanh; a config whose warp
+    groups compute the same scores counts each time."""
     out = {}
     for mode, cand in itertools.product(MODES, (True, False)):
-        per = [b.loop.special * 32 * b.config.num_warps / (b.config.block_m * b.config.block_n)
+        per = [b.loop.special * 32 * b.config.num_warps * b.config.m_splits
+               / (b.config.block_m * b.config.block_n)
                for b in rows if b.config.mode == mode and b.config.cand_tiles == cand and b.loop.mma]
         if per:
             out[f"mufu_per_score_{mode.replace('-', '_')}_{'cand' if cand else 'hist'}"] = round(max(per), 3)
@@ -299,7 +302,7 @@ def _row(b: Build) -> str:
     c, w, lp = b.config, b.sass, b.loop
     return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
             f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {'y' if c.tma else 'n':>3} "
-            f"{c.v_splits:>2} {c.maxnreg or '-':>3} {b.registers:>5} "
+            f"{c.v_splits:>2} {c.m_splits:>2} {c.maxnreg or '-':>3} {b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{b.programs_per_sm:>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
@@ -328,6 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="full key blocks read through pointers, tensor descriptors (TMA, sm_90+), or both")
     ap.add_argument("--value-splits", type=POSITIVE_INTS, default="1",
                     help="programs sharing a tile's value columns (powers of two; pointer page reads only above 1)")
+    ap.add_argument("--row-splits", type=POSITIVE_INTS, default="1",
+                    help="programs sharing a tile's rows (powers of two; each takes block-m / row-splits rows)")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="cap the registers per thread (ptx .maxnreg, as an autotune config's maxnreg; default: none)")
     ap.add_argument("--page-size", type=int, default=64)
@@ -363,6 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    ("warps", warps, lambda w: pow2(w, 1) and w <= 32, "powers of two <= 32"),
                                    ("stages", stages, lambda x: x >= 1, ">= 1"),
                                    ("value-splits", opts.value_splits, lambda v: pow2(v, 1), "powers of two"),
+                                   ("row-splits", opts.row_splits, lambda v: pow2(v, 1), "powers of two"),
                                    ("maxnreg", [opts.maxnreg or 255], lambda r: 24 <= r <= 255, "in [24, 255]"),
                                    ("page-size", [opts.page_size], lambda p: p >= 1, ">= 1")):
         if not all(ok(v) for v in values):
@@ -373,14 +379,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
         reads = {"pointers": (False,), "tma": (True,), "both": (False, True)}[opts.page_reads]
-        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t, v_splits=v, maxnreg=opts.maxnreg)
-                for *c, t, v in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads,
-                                                  opts.value_splits) if not (t and v > 1)]
+        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t, v_splits=v, m_splits=m, maxnreg=opts.maxnreg)
+                for *c, t, v, m in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads,
+                                                     opts.value_splits, opts.row_splits)
+                if not (t and v > 1) and c[3] // m >= 16]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
           f"triton={triton.__version__} "
           f"smem_limit={limits(opts.arch).smem_per_block}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
-          f"{'vs':>2} {'cap':>3} {'regs':>5} "
+          f"{'vs':>2} {'ms':>2} {'cap':>3} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
           f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []
