@@ -69,6 +69,11 @@ def _fit_descriptor(nargs) -> None:
 CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=w, num_stages=s,
                                pre_hook=_fit_descriptor)
                 for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
+# One warp group per 64 rows: a 128-row tile as two 4-warp programs (M_SPLITS), no score computed twice; up to head
+# dim 128 they compile spill-free and two to four fit on an SM (``benchmarks/results/ptxas-sm90-row-splits.txt``).
+CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 2}, num_warps=4, num_stages=s,
+                               pre_hook=_fit_descriptor)
+                 for tma in (False, True) for bn in (32, 64) for s in (2, 3)]
 # Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only, the
 # configs that compile spill-free at head dim 256 (warps, BLOCK_N, stages; ``_clean_value_split``). The 4-warp one
 # (one warp group, two programs per SM) takes 64 rows: a 64-row tile whole, a 128-row tile as two programs of 64
@@ -101,12 +106,15 @@ AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_
 
 
 def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool) -> bool:
-    """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): candidate
-    tiles on 8 warps, history tiles on 8 or (up to head dim 128 and 64 rows) 4; ``BLOCK_N = 32`` above head dim
-    128; HSTU history tiles that compute their bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128
-    and 2 stages only above it; HSTU candidate tiles with a bias (their table row read per key block) 3 stages only
-    above 128."""
-    return ((c.num_warps == CUDA_NUM_WARPS or not cand and head_dim <= 128 and rows <= 64)
+    """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): 8 warps,
+    or up to head dim 128 4 warps (one warp group) taking 64 rows a program (a candidate tile of 64 rows, or of 128
+    as two programs) or a history tile of up to 64; ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that
+    compute their bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it;
+    HSTU candidate tiles with a bias (their table row read per key block) 3 stages only above 128."""
+    m = c.kwargs["M_SPLITS"]
+    sub = rows // m
+    one_group = head_dim <= 128 and sub <= 64 and (m == 1 or sub == 64) and (sub == 64 or not cand)
+    return ((c.num_warps == CUDA_NUM_WARPS or one_group)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128)))

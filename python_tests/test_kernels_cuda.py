@@ -98,9 +98,10 @@ def test_value_splits_at_head_dim_256_bf16_cuda(mode, monkeypatch):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["softmax", "hstu"])
-def test_register_capped_configs_at_head_dim_64_bf16_cuda(mode, monkeypatch):
-    """The configs with registers capped at 128 (two 8-warp programs per SM), each forced in turn for the candidate
-    tiles, within bf16 tolerance of the reference."""
+def test_several_programs_per_sm_configs_at_head_dim_64_bf16_cuda(mode, monkeypatch):
+    """The configs that put several programs on an SM, each forced in turn for the candidate tiles: registers capped
+    at 128 (two 8-warp programs), and one warp group per 64 rows (a 128-row tile as two 4-warp programs); within
+    bf16 tolerance of the reference."""
     from relaygr_engine.kernels import _prefix_config as K
 
     args, bias = make_problem([(1500, 20, 300), (64, 0, 40)], 64, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -108,9 +109,10 @@ def test_register_capped_configs_at_head_dim_64_bf16_cuda(mode, monkeypatch):
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     tuner, real = K.autotuned_kernel(), K.prune_configs
     capped = [c for c in K.CUDA_CONFIGS if c.maxnreg == K.CAPPED_REGS]
+    halves = [c for c in K.CUDA_CONFIGS if c.kwargs["M_SPLITS"] == 2 and c.kwargs["V_SPLITS"] == 1]
     reads = ["pointers", "tma"] if tma_device(torch.device("cuda")) else ["pointers"]
-    assert len(capped) == 2
-    for config in capped:
+    assert len(capped) == 2 and len(halves) == 8
+    for config in capped + halves:
         if config.kwargs["TMA"] and "tma" not in reads:
             continue
         offered = []

@@ -194,7 +194,13 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
 
     all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
     assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
-    assert kept(4, HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == []
+    # one warp group per 64 rows: a 64-row candidate tile whole, a 128-row one as two programs; never above 128
+    assert kept(4, HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
+    for d in (64, 128):
+        assert kept(4, rows=2, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == all4
+        assert kept(4, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == []
+        assert kept(4, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=32) == []
+    assert kept(4, rows=2, HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == []
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == [(32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=True) == [(32, 2), (32, 3)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]
@@ -204,7 +210,8 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == all4
         assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == all4
-    assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # a 128-row tile needs 8 warps
+    assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # 128 rows: 8 warps, or two programs
+    assert kept(4, rows=2, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == all4
     assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)
     cand256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
     assert kept(8, 2, **cand256, BLOCK_M=128) == [(32, 2), (32, 3), (64, 2)]
