@@ -105,15 +105,21 @@ AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_
                  "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS", "V_SPLITS_PICK"]
 
 
+def _one_group_rows(c, rows: int) -> bool:
+    """Whether each program of config ``c`` on a tile of ``rows`` rows takes what one warp group (4 warps) runs: at
+    most 64 rows, exactly 64 where the tile is split (``M_SPLITS``)."""
+    sub = rows // c.kwargs["M_SPLITS"]
+    return sub <= 64 and (c.kwargs["M_SPLITS"] == 1 or sub == 64)
+
+
 def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool) -> bool:
     """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): 8 warps,
     or up to head dim 128 4 warps (one warp group) taking 64 rows a program (a candidate tile of 64 rows, or of 128
     as two programs) or a history tile of up to 64; ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that
     compute their bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it;
     HSTU candidate tiles with a bias (their table row read per key block) 3 stages only above 128."""
-    m = c.kwargs["M_SPLITS"]
-    sub = rows // m
-    one_group = head_dim <= 128 and sub <= 64 and (m == 1 or sub == 64) and (sub == 64 or not cand)
+    one_group = (head_dim <= 128 and _one_group_rows(c, rows)
+                 and (rows // c.kwargs["M_SPLITS"] == 64 or not cand))  # (candidate tiles: 64 rows a program)
     return ((c.num_warps == CUDA_NUM_WARPS or one_group)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
@@ -127,8 +133,7 @@ def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
     takes 64 rows (a 64-row tile whole, a 128-row one in two); its 64-key blocks on 8 warps except for 128-row
     history tiles computing HSTU's bias in the kernel."""
     if c.num_warps != CUDA_NUM_WARPS:
-        sub = rows // c.kwargs["M_SPLITS"]
-        return sub <= 64 and (c.kwargs["M_SPLITS"] == 1 or sub == 64)
+        return _one_group_rows(c, rows)
     return c.kwargs["BLOCK_N"] == 32 or not (row_bias and rows > 64)
 
 

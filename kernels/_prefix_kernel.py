@@ -430,10 +430,9 @@ def prefix_attention_kernel(
                 acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
                                         True, DOT_PRECISION, False, FAST_SILU)
 
-        if SPLIT:  # partial state, merged by merge_splits: hstu's sum already over N (the merge adds them up),
-            # softmax's un-normalised sum with its running max and sum
-            if HSTU:
-                acc = acc * inv_norm
+        if HSTU:  # over N here, a split's partial too (merge_splits adds them up)
+            acc = acc * inv_norm
+        if SPLIT:  # partial state, merged by merge_splits (softmax: un-normalised, with its running max and sum)
             ws_rows = (split * total_q + g_rows) * num_heads + head
             tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], acc,
                      mask=row_ok[:, None] & v_ok[None, :])
@@ -443,7 +442,7 @@ def prefix_attention_kernel(
                     tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
         else:
             if HSTU:
-                out = acc * inv_norm
+                out = acc
             else:
                 out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
