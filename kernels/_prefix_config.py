@@ -96,8 +96,9 @@ NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1, "M_SP
 CUDA_CONFIGS.append(NARROW_CONFIG)
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 TMA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS if c.kwargs["TMA"])
-# Keys per split are a multiple of this (every BLOCK_N divides it), so only a user's last key block is masked.
-SPLIT_ALIGN = 128
+# Keys per split are a multiple of this (every autotuned BLOCK_N divides it; a caller's wider block raises it), so
+# only a user's last key block is masked; no coarser, so the splits' shares stay even.
+SPLIT_ALIGN = CUDA_MAX_BLOCK_N
 # No length in the key: a serving process autotunes each compiled variant once, at its first call (a warm-up),
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).

@@ -13,6 +13,10 @@ prefix without it), and streams keys in blocks of ``BLOCK_N``:
 3. candidate tiles: the rows' own K/V, as a block whose only visible entries are the diagonal (a candidate sees
    itself, never another candidate).
 
+With split-prefix scheduling (``SPLIT``) program ``s`` of a tile takes keys ``[s * split_len, (s + 1) * split_len)``
+of its keys in that order, the cached prefix followed by the new history (so the work is even: no split also takes
+all the new history), and the self term goes with the split holding the tile's last key.
+
 Candidate tiles share everything but the key: every candidate of a user has position ``P + n`` and the request time,
 so HSTU's relative bias ``pos_bias[min(P + n - j, NP - 1)] + ts_bias[bucket(t_c - t_j)]`` is one value per (user,
 key), computed once per layer into a table (:mod:`relaygr_engine.kernels._bias_table`) that a candidate tile reads as
@@ -329,9 +333,14 @@ def prefix_attention_kernel(
         work_step = 1
 
     for work in range(pid, work_end, work_step):
-        split = work % num_splits                               # prefix chunk (0 without SPLIT)
-        tile = work // num_splits // num_heads
-        head = work // num_splits % num_heads
+        if SPLIT:
+            split = work % num_splits                           # which share of the tile's keys
+            tile_head = work // num_splits
+        else:  # (known 0: nothing about the share is kept live across the key loops)
+            split = 0
+            tile_head = work
+        tile = tile_head // num_heads
+        head = tile_head % num_heads
         user = tl.load(tile_user_ptr + tile)
         row0 = tl.load(tile_row_ptr + tile) + m_part * SUB_M  # this program's first row
         q_start = tl.load(cu_q_ptr + user)
@@ -363,8 +372,9 @@ def prefix_attention_kernel(
         m_i = tl.full([SUB_M], -1.0e30, dtype=tl.float32)     # softmax: running max of log2-scaled logits
         l_i = tl.zeros([SUB_M], dtype=tl.float32)             # softmax: running sum of exp2(logit - m_i)
 
-        # 1. This split's chunk [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
+        # This split's keys [lo, lo + split_len) of the tile's: the cached prefix, then the new history rows it sees.
         lo = tl.multiple_of(split * split_len, 16)  # split_len is a multiple of every BLOCK_N (SPLIT_ALIGN)
+        # 1. Its part [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
         hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         # The page ids run one block ahead (loop-carried), so their load's latency hides behind a block's work.
@@ -387,15 +397,21 @@ def prefix_attention_kernel(
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, V_SPLITS, CAND_TILES, HSTU, HAS_POS, HAS_TS, TS_BITS, TS_STEPS,
                 TS_TABLE, TS_ABS, TABLE, DOT_PRECISION, KV8, FAST_SILU, TMA, True)
 
-        # 2. The user's new history rows (split 0 only): all of them for candidates, causal for history rows.
-        # (New history is short next to the prefix: every block is masked.)
+        # 2. Its part [n_lo, n_hi) of the new history rows the tile sees: all of them for candidates, up to its last
+        # row for a history tile (causal). (New history is short next to the prefix: every block is masked.)
+        # (Computed here, not before the prefix loop: nothing more is live across it.)
         n_end = n_hist if CAND_TILES else tl.minimum(row0 + SUB_M, n_hist)
-        n_end = tl.where(live & (split == 0), n_end, 0)
+        n_end = tl.where(live, n_end, 0)
+        n_lo = 0
+        n_hi = n_end
+        if SPLIT:
+            n_lo = tl.maximum(lo - prefix_len, 0)
+            n_hi = tl.minimum(lo + split_len - prefix_len, n_end)
         k_head = head * stride_kh
         v_head = head * stride_vh
-        for start in range(0, n_end, BLOCK_N):
+        for start in range(n_lo, n_hi, BLOCK_N):
             idx = start + offs_n
-            k_ok = idx < n_end
+            k_ok = idx < n_hi
             k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, (q_start + idx).to(tl.int64), k_ok, offs_d, offs_v,
                                    k_head, v_head, stride_kt, stride_vt, HEAD_DIM, BLOCK_D,
                                    HAS_TS and not TABLE, True)
@@ -414,9 +430,14 @@ def prefix_attention_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS, True,
                                     DOT_PRECISION, False, FAST_SILU)
 
-        # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible.
+        # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible (in the split
+        # holding the tile's last key, the shortest when the keys do not divide evenly).
         if CAND_TILES:
-            if live & (split == 0):
+            here = live
+            if SPLIT:
+                last = tl.maximum(prefix_len + n_end - 1, 0)  # (the splits cover every key: one of them holds it)
+                here = live & (lo <= last) & (last < lo + split_len)
+            if here:
                 k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, offs_v, k_head, v_head,
                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, False, True)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

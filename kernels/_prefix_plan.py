@@ -38,7 +38,10 @@ class PrefixAttentionPlan:
     max_key_len : int
         Longest prefix + segment of a user.
     max_prefix_len : int
-        Longest cached prefix of a user (what split-prefix scheduling divides).
+        Longest cached prefix of a user.
+    max_context_len : int
+        Longest cached prefix + new history of a user: the most keys a tile streams besides its candidates' own
+        (what split-prefix scheduling divides).
     num_cached : int
         Cached tokens over all users.
     """
@@ -54,6 +57,7 @@ class PrefixAttentionPlan:
     max_key_len: int
     num_cached: int
     max_prefix_len: int = 0
+    max_context_len: int = 0
 
     @property
     def num_tiles(self) -> int:
@@ -75,11 +79,13 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
     max_key_len = int((prefix + seqlens).max()) if b else 0
     rows = seqlens.tolist()
     hist = [n - c for n, c in zip(rows, table.num_candidates)]
+    context = prefix + torch.tensor(hist, dtype=prefix.dtype)
     hist_m = history_tile_rows(cfg, lambda m: sum(C.cdiv(n, m) for n in hist), max_key_len)
     tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
     return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
                                tiles[0], tiles[1],
-                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0)
+                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0,
+                               int(context.max()) if b else 0)
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,

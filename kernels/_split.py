@@ -1,11 +1,14 @@
 """Split-prefix (flash-decoding style) scheduling for the paged prefix-attention kernel: how many programs share
-one tile's cached prefix, and the merge of their partial results.
+one tile's keys, and the merge of their partial results.
 
 A ranking computes few query rows (new history tokens and candidates) against a long cached prefix, so one program
 per ``BLOCK_M``-row tile and head can leave most of a GPU idle: 384 rows x 4 heads at ``BLOCK_M = 64`` are 24
-programs on 132 SMs, each streaming the whole prefix. With ``S`` splits, program ``s`` of a tile streams the prefix
-chunk ``[s * L, (s + 1) * L)`` and writes its un-normalised partial state; split 0 also takes the self term and the
-new history rows. The merge is exact up to fp32 rounding:
+programs on 132 SMs, each streaming the whole prefix. With ``S`` splits, program ``s`` of a tile streams keys
+``[s * L, (s + 1) * L)`` of the tile's keys in order, the cached prefix then the new history rows it sees, and
+writes its un-normalised partial state; the split holding the tile's last key also takes the candidates' self term.
+Every split so streams about ``L`` keys: the launch's longest program, which its time waits for, is as short as
+the split count allows (a split taking all the new history on top of its share of the prefix would be longer by
+all of it). The merge is exact up to fp32 rounding:
 
 * hstu: the sum is pointwise, so ``out = sum_s acc_s`` (each split's partial already divided by ``N``: the merge
   is one reduction);
@@ -20,17 +23,17 @@ import torch
 
 from . import _common as C
 
-__all__ = ["pick_splits", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
+__all__ = ["pick_splits", "split_layout", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
 
 MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 32
 
 
-def pick_splits(device: torch.device, num_work: int, max_prefix_len: int, splits: Optional[int] = None, *,
+def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Optional[int] = None, *,
                 interpreted: bool = False) -> int:
     """Programs per (tile, head): ``splits`` when given (checked), else on CUDA enough to give every SM about two
-    programs, with at least :data:`MIN_SPLIT_KEYS` cached keys each (so a batch with no or short cached prefixes,
-    a prefill or a no-cache forward, is never split); 1 elsewhere (and in the interpreter)."""
+    programs, with at least :data:`MIN_SPLIT_KEYS` keys each of the longest user's ``max_keys`` (cached prefix and
+    new history), so a batch whose users have few keys is never split; 1 elsewhere (and in the interpreter)."""
     if splits is not None:
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
@@ -41,7 +44,25 @@ def pick_splits(device: torch.device, num_work: int, max_prefix_len: int, splits
     cores = C._num_cores("cuda", index)
     if num_work >= cores:
         return 1
-    return max(1, min(C.cdiv(2 * cores, num_work), max_prefix_len // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return max(1, min(C.cdiv(2 * cores, num_work), max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Optional[int] = None,
+                 splits: Optional[int] = None, *, interpreted: bool = False) -> tuple[int, int]:
+    """``(num_splits, split_len)`` of a launch of ``num_work`` (tile, head) pairs: :func:`pick_splits`'s count, and
+    the keys per split, ``max_keys`` (the longest user's prefix + new history) over that count rounded up to a
+    multiple of every key block (:data:`~relaygr_engine.kernels._prefix_config.SPLIT_ALIGN`, or a fixed
+    ``block_n`` above it), so that only a user's last block is masked. A chosen count then drops the splits the
+    rounding left without keys (programs that would stream none and only add zeros to the merge); a count given
+    as ``splits`` is kept as given. Without a split, ``split_len`` covers every key."""
+    from ._prefix_config import SPLIT_ALIGN
+
+    num_splits = pick_splits(device, num_work, max_keys, splits, interpreted=interpreted)
+    keys, align = max(max_keys, 1), max(SPLIT_ALIGN, block_n or 0)
+    split_len = C.cdiv(C.cdiv(keys, num_splits), align) * align
+    if splits is None:
+        num_splits = C.cdiv(keys, split_len)
+    return num_splits, split_len
 
 
 def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> torch.Tensor:

@@ -4,9 +4,10 @@ The launcher; the batch plan is in :mod:`relaygr_engine.kernels._prefix_plan`, t
 :mod:`relaygr_engine.kernels._prefix_kernel`, its configs in :mod:`relaygr_engine.kernels._prefix_config`. A call
 checks its inputs, plans the batch's tiles (or takes a plan built once per batch, :func:`plan_prefix_attention`), and
 launches the kernel once per kind of tile: history tiles (new history rows: causal) and candidate tiles (all of a
-user's candidates share one query position and time). With split-prefix scheduling each tile's cached prefix is
-shared by several programs whose partial sums are merged after both launches; with value splits its output columns
-are (each program computes all the tile's scores).
+user's candidates share one query position and time). With split-prefix scheduling each tile's keys (its cached
+prefix, then the new history rows it sees) are shared by several programs, an even share each, whose partial sums
+are merged after both launches; with value splits its output columns are (each program computes all the tile's
+scores).
 
 Modes
 -----
@@ -37,12 +38,12 @@ from .. import quant
 from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
-from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig, SPLIT_ALIGN,
+from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig,
                              autotuned_kernel, page_reads as pick_page_reads, pick_config, reset_autotuning)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._prefix_plan import PrefixAttentionPlan, _check_block, _plan, plan_prefix_attention
-from ._split import merge_splits, pick_splits
+from ._split import merge_splits, split_layout
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config", "reset_autotuning"]
@@ -155,10 +156,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         How ``kv_cache`` stores K/V: cached rows are dequantised on load (the K scales multiply the scores, the V
         scales the weights); ``k``/``v``, the new rows, stay at full precision. fp8 runs on CUDA only.
     splits : int, optional
-        Split each user's cached prefix over this many programs (flash-decoding style), their partial sums merged
-        after the kernel (:func:`~relaygr_engine.kernels._split.merge_splits`). Default: by device
-        (:func:`~relaygr_engine.kernels._split.pick_splits`: on CUDA when the tiles alone leave most SMs idle, e.g.
-        one user's few hundred rows against a long prefix; never elsewhere).
+        Split each tile's keys (its user's cached prefix, then the new history rows it sees) over this many
+        programs (flash-decoding style), an even share each, their partial sums merged after the kernel
+        (:func:`~relaygr_engine.kernels._split.merge_splits`). Default: by device
+        (:func:`~relaygr_engine.kernels._split.split_layout`: on CUDA when the tiles alone leave most SMs idle, e.g.
+        one user's few hundred rows against a long prefix, and no more splits than have keys; never elsewhere).
     bias_table_bytes : int, optional
         hstu with a bias: the history tiles read their bias from a per-layer table
         (:mod:`~relaygr_engine.kernels._bias_table`: 4 bytes per history tile row and key of the longest
@@ -261,10 +263,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
     # (a caller's value splits multiply the programs per tile; the autotuner's are not known here)
-    num_splits = pick_splits(device, plan.num_tiles * num_heads * (value_splits or 1), plan.max_prefix_len, splits,
-                             interpreted=C.is_interpreted(_prefix_attention_kernel))
-    align = max(SPLIT_ALIGN, cfg.block_n or 0)  # a split starts on a key block: only a user's last block is masked
-    split_len = C.cdiv(C.cdiv(max(plan.max_prefix_len, 1), num_splits), align) * align
+    num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
+                                         plan.max_context_len, cfg.block_n, splits,
+                                         interpreted=C.is_interpreted(_prefix_attention_kernel))
+    assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
     ws = ml = q  # stand-ins without SPLIT (never written)
     if num_splits > 1:
         ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=device)

@@ -84,6 +84,24 @@ def test_prefix_attention_split_prefix_matches_reference(mode, splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_prefix_attention_splits_share_new_history(mode):
+    """A split's share runs past the cached prefix into the new history rows: 30 cached keys and 150 new rows in
+    splits of 64 keys put the new history in three splits, history tiles' causal keys across two, the candidates'
+    self term in the last; users whose keys end in an earlier split, or have no prefix, leave later splits empty.
+    Every key counted once (a key dropped or taken twice moves the result past 1e-4), bias from the table and
+    computed in the kernel."""
+    from relaygr_engine.kernels._split import split_layout
+
+    users = [(30, 150, 7), (0, 70, 5), (64, 0, 3), (100, 20, 0)]
+    assert split_layout(torch.device("cpu"), 1, 180, splits=3) == (3, 64)
+    args, bias = make_problem(users, 16, 2, 32, seed=7)
+    for splits, budget in ((3, None), (4, 0)):
+        check_attention(args, attention_kwargs(mode, bias, 32), persistent=splits == 4, block_m=16, block_n=16,
+                        splits=splits, bias_table_bytes=budget)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("seed", range(8))
 def test_prefix_attention_random_shapes(seed):
     """Random batches: 1-4 users, prefix 0..150, history 0..20, candidates 0..80, any page size, mode and grid."""

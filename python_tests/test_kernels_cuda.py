@@ -160,14 +160,14 @@ def test_prefix_attention_fp32_cuda_ieee():
     check_attention(args, attention_kwargs("softmax", bias, 64), persistent=True)
 
 
-def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monkeypatch):
+def test_pick_splits_splits_only_users_with_many_keys_that_leave_cores_idle(monkeypatch):
     from relaygr_engine.kernels import _split
 
     monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
     assert _split.pick_splits(cuda, 24, 2000) == 7           # 24 programs on 132 cores: 2000 // 256 keys-limited
     assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
-    assert _split.pick_splits(cuda, 12, 3968) == 15          # a ranking at NVIDIA's shape: 3968 // 256
+    assert _split.pick_splits(cuda, 12, 3968 + 128) == 16    # a ranking at NVIDIA's shape: 4096 keys // 256
     assert _split.pick_splits(cuda, 24, 255) == 1            # too few cached keys per split
     assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
     assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
@@ -176,3 +176,28 @@ def test_pick_splits_splits_only_long_cached_prefixes_that_leave_cores_idle(monk
     for bad in (0, 33, True, 2.0):
         with pytest.raises(ValueError, match="splits must be an integer in"):
             _split.pick_splits(cuda, 24, 3968, splits=bad)
+
+
+def test_split_layout_shares_every_key_evenly_and_drops_empty_splits(monkeypatch):
+    """The launcher's splits: at NVIDIA's ranking shape (3968 cached keys + 128 new history rows, 12 tiles x heads)
+    16 splits of 256 keys, where splitting the prefix alone gave 15 of 384 (4 of them empty, and split 0 also took
+    the 128 new keys); a chosen count never leaves a split without keys; a caller's count is kept; the splits
+    always cover the longest user's keys."""
+    from relaygr_engine.kernels import _split
+
+    monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
+    cuda = torch.device("cuda", 0)
+    assert _split.split_layout(cuda, 12, 3968 + 128) == (16, 256)
+    assert _split.split_layout(cuda, 12, 4096 + 128) == (14, 320)       # a graph bucket's bound (prefix 4096)
+    assert _split.split_layout(cuda, 24, 2000) == (7, 320)            # 2000 // 256 = 7 splits; 7 x 320 >= 2000
+    assert _split.split_layout(cuda, 24, 1000) == (3, 384)            # 3 x 384 >= 1000: no fourth split
+    assert _split.split_layout(cuda, 24, 255) == (1, 256)             # one split covers every key
+    assert _split.split_layout(cuda, 12, 3968, block_n=128) == (11, 384)  # 15 chosen, 128-key aligned: 11 used
+    assert _split.split_layout(cuda, 12, 3968, splits=31) == (31, 128)    # a caller's count, as given
+    assert _split.split_layout(torch.device("cpu"), 1, 0) == (1, 64)
+    for work, keys in ((12, 4096), (24, 2000), (5, 100_000), (100, 700), (3, 64 * 31 + 1)):
+        for forced in (None, 1, 7, 32):
+            n, length = _split.split_layout(cuda, work, keys, splits=forced)
+            assert n * length >= keys and length % 64 == 0
+            if forced is None:
+                assert (n - 1) * length < keys                        # the last split has keys

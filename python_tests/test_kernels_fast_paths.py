@@ -145,10 +145,10 @@ def test_row_splits_share_a_tile_and_match_the_reference(mode, monkeypatch):
 @needs_interpreter
 def test_value_splits_count_as_programs_when_the_prefix_splits_are_chosen(monkeypatch):
     """The prefix split rule is given every program of a tile: tiles x heads x the caller's value splits."""
-    from relaygr_engine.kernels import prefix_attention as pa
+    from relaygr_engine.kernels import _split
 
     seen = []
-    monkeypatch.setattr(pa, "pick_splits", lambda device, work, *a, **k: seen.append(work) or 1)
+    monkeypatch.setattr(_split, "pick_splits", lambda device, work, *a, **k: seen.append(work) or 1)
     args, bias = make_problem([(45, 20, 9), (16, 3, 0)], 16, 2, 32)  # 16-row tiles: 2 + 1 history, 1 candidate
     for parts in (None, 2):
         prefix_attention(**args, mode="softmax", scale=0.1, block_m=16, block_n=16, value_splits=parts)

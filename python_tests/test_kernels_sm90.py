@@ -93,12 +93,16 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     path = tmp_path / "p.json"
     cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--modes", "softmax", "--head-dims", "64",
-           "--block-m", "64", "--block-n", "32", "--warps", "4", "--stages", "2", "--json", str(path)]
+           "--block-m", "64", "--block-n", "32", "--warps", "4", "--stages", "2", "--split-prefix", "both",
+           "--json", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT arch=sm_90 configs=1 "), last
-    (row,) = json.loads(path.read_text())["rows"]
+    assert last.startswith("RESULT arch=sm_90 configs=2 "), last
+    row, split = json.loads(path.read_text())["rows"]
+    # the split-prefix build stores its partial state (a running max and sum per row too): more code, same loop
+    assert (row["config"]["split"], split["config"]["split"]) == (False, True)
+    assert split["sass"]["instructions"] > row["sass"]["instructions"] and split["loop"]["mma"] == row["loop"]["mma"]
     assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
     assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
     from relaygr_engine.bench.sm_limits import programs_per_sm

@@ -168,11 +168,11 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
-    the configs the autotuner kept. ``splits``: programs per tile and head over the cached prefix (None: the
-    launcher's rule); the row's ``splits`` is the number used. ``value_splits``: programs per tile over its value
-    columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice)."""
+    the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
+    rule); the row's ``splits`` is the number used, ``split_keys`` the keys each takes. ``value_splits``: programs
+    per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice)."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
-    from relaygr_engine.kernels._split import pick_splits
+    from relaygr_engine.kernels._split import split_layout
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = problem(shape, device, dtype, contiguous=False)
@@ -189,7 +189,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits)
     used_m = plan.block_m
-    used_splits = pick_splits(device, plan.num_tiles * shape.heads, plan.max_prefix_len, splits)
+    used_splits, split_keys = split_layout(device, plan.num_tiles * shape.heads * (value_splits or 1),
+                                           plan.max_context_len, None, splits)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
@@ -209,7 +210,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, value_splits=value_splits,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
+               value_splits=value_splits,
                time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
@@ -279,8 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "'B=1,P=3968,n=128,C=256,H=4,D=256' (users, cached prefix, new rows, candidates, heads, "
                          "head dim; page=64 by default), e.g. one layer of a ranking at NVIDIA's HSTU shape")
     ap.add_argument("--splits", default="auto",
-                    help="programs per tile and head over the cached prefix: auto (the launcher's rule) and/or a "
-                         "comma-separated list to compare, e.g. auto,1,7,15 (each shape runs once per value)")
+                    help="programs per tile and head over its keys (cached prefix, then new history): auto (the "
+                         "launcher's rule) and/or a comma-separated list to compare, e.g. auto,1,7,15 (each shape "
+                         "runs once per value)")
     ap.add_argument("--value-splits", default="auto",
                     help="programs per tile over its value columns: auto (autotuned on CUDA: 1 or 2 above head dim "
                          "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")

@@ -25,15 +25,17 @@ def _geo(xs: list) -> Optional[float]:
 
 
 def header(cuda: bool) -> str:
-    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'V':>2} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} "
-            f"{'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
+    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} "
+            f"{'vs_gath':>8} {'vs_recomp':>9} {'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
     return head + (f" {'%matmul':>8} {'vs_flashinfer':>13}" if cuda else "")
 
 
 def row_line(r: dict) -> str:
-    """One shape's line of the table (``%matmul`` and FlashInfer where the row has them: CUDA runs)."""
+    """One shape's line of the table (``%matmul`` and FlashInfer where the row has them: CUDA runs; ``keys/S``, the
+    keys each split takes, where the row has it)."""
     v = r.get("value_splits")
-    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {'a' if v is None else v:>2} "
+    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
+            f"{'a' if v is None else v:>2} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
             f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "

@@ -62,6 +62,7 @@ class Config:
     v_splits: int = 1         # programs sharing a tile's value columns (V_SPLITS)
     m_splits: int = 1         # programs sharing a tile's rows (M_SPLITS: each takes block_m / m_splits)
     maxnreg: Optional[int] = None  # registers a thread may use at most (ptx .maxnreg; None: ptxas chooses)
+    split: bool = False       # split-prefix scheduling (SPLIT): a share of the tile's keys, partial state stored
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,12 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       persistent: bool = False, page_size: int = 64, dtype: str = "bf16", arch: int = 90,
                       cand_tiles: bool = True, bias: bool = True, heads: int = 4, kv_dtype: str = "model",
                       hist_table: bool = True, tma: bool = False, v_splits: int = 1, m_splits: int = 1,
-                      maxnreg: Optional[int] = None):
+                      maxnreg: Optional[int] = None, split: bool = False):
     """Compile ``_prefix_attention_kernel`` for one config: candidate or history tiles, HSTU with both biases on
     (or, ``bias=False``, none), pages in the model's dtype or 8-bit (``kv_dtype``), full key blocks read through
     pointers or (``tma``) tensor descriptors, value columns split over ``v_splits`` programs and rows over
-    ``m_splits``, registers capped at ``maxnreg`` per thread. History tiles read
+    ``m_splits``, registers capped at ``maxnreg`` per thread, a share of each tile's keys with the partial state
+    stored (``split``: split-prefix scheduling, as a launch over few tiles runs). History tiles read
     their bias from the bias table (``hist_table``, the launcher's choice within its budget) or compute it in the
     kernel."""
     import torch
@@ -174,7 +176,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       HAS_TS=biased, TS_BITS=ts_bits,
                       TS_STEPS=0, TS_TABLE=False, TS_ABS=False,
                       HIST_TABLE=biased and hist_table and not cand_tiles,
-                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=False,
+                      DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=split,
                       KV8=KVDtype(kv_dtype).quantized,
                       FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
                       TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits, M_SPLITS=m_splits)
@@ -220,7 +222,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
                                    page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
                                    bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
                                    hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma, v_splits=cfg.v_splits,
-                                   m_splits=cfg.m_splits, maxnreg=cfg.maxnreg)
+                                   m_splits=cfg.m_splits, maxnreg=cfg.maxnreg, split=cfg.split)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
@@ -229,14 +231,16 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
                  time.perf_counter() - t0)
 
 
-def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True) -> list[Config]:
+def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True,
+                 splits=(False,)) -> list[Config]:
     """The configs the launcher can run on CUDA: per head dim, mode and tile kind, ``pick_config``'s rows per tile
     and every autotune config ``prune_configs`` keeps (one-tile-per-program launches, the launcher's default; page
     reads through pointers and, with ``tma`` (sm_90+) and pages in the model's dtype, tensor descriptors);
     ``hstu-inkernel`` for history tiles only (candidate tiles always read the bias table). Where history tiles
     fall back to fewer rows in batches whose bias table would pass its budget (``hist_fallback_m``, above head dim
     128), both heights: the taller reading the table (``hstu``), the shorter computing the bias
-    (``hstu-inkernel``), and both for modes without a bias."""
+    (``hstu-inkernel``), and both for modes without a bias. Each unsplit, split (split-prefix scheduling: what a
+    launch over few tiles compiles) or both, as ``splits`` lists."""
     import torch
 
     from relaygr_engine.kernels import _prefix_config as K
@@ -258,7 +262,7 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
                                    TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
             grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
                             tma=c.kwargs["TMA"], v_splits=c.kwargs["V_SPLITS"], m_splits=c.kwargs["M_SPLITS"],
-                            maxnreg=c.maxnreg) for c in kept]
+                            maxnreg=c.maxnreg, split=sp) for c in kept for sp in splits]
     return grid
 
 
@@ -302,7 +306,7 @@ def _row(b: Build) -> str:
     c, w, lp = b.config, b.sass, b.loop
     return (f"{c.mode:<11} {c.head_dim:>4} {'cand' if c.cand_tiles else 'hist':>4} {c.block_m:>4} {c.block_n:>4} "
             f"{c.num_warps:>5} {c.num_stages:>6} {'y' if c.persistent else 'n':>4} {'y' if c.tma else 'n':>3} "
-            f"{c.v_splits:>2} {c.m_splits:>2} {c.maxnreg or '-':>3} {b.registers:>5} "
+            f"{c.v_splits:>2} {c.m_splits:>2} {c.maxnreg or '-':>3} {'y' if c.split else 'n':>2} {b.registers:>5} "
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{b.programs_per_sm:>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
@@ -335,6 +339,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="programs sharing a tile's rows (powers of two; each takes block-m / row-splits rows)")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="cap the registers per thread (ptx .maxnreg, as an autotune config's maxnreg; default: none)")
+    ap.add_argument("--split-prefix", choices=("no", "yes", "both"), default="no",
+                    help="build each config unsplit, with split-prefix scheduling (a share of each tile's keys, the "
+                         "partial state stored: what a launch over few tiles, e.g. one user's ranking, compiles), or "
+                         "both; also with --defaults")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
@@ -359,6 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import triton
 
     pers = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.persistent]
+    splits = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.split_prefix]
     dims = opts.head_dims or ([64, 128, 256] if opts.defaults else [64, 128])
     bms, bns, warps, stages = opts.block_m, opts.block_n, opts.warps, opts.stages
     pow2 = lambda x, lo: x >= lo and not x & (x - 1)  # noqa: E731
@@ -375,19 +384,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--{name} must be {want}, got {values}")
     if opts.defaults:
         grid = default_grid(dims, dtype=opts.dtype, page_size=opts.page_size, kv_dtype=opts.kv_dtype,
-                            tma=opts.arch >= 90)
+                            tma=opts.arch >= 90, splits=splits)
     else:
         kinds = {"cand": (True,), "hist": (False,), "both": (False, True)}[opts.tiles]
         reads = {"pointers": (False,), "tma": (True,), "both": (False, True)}[opts.page_reads]
-        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t, v_splits=v, m_splits=m, maxnreg=opts.maxnreg)
-                for *c, t, v, m in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads,
-                                                     opts.value_splits, opts.row_splits)
+        grid = [Config(*c, kv_dtype=opts.kv_dtype, tma=t, v_splits=v, m_splits=m, maxnreg=opts.maxnreg, split=sp)
+                for *c, t, v, m, sp in itertools.product(modes, dims, kinds, bms, bns, warps, stages, pers, reads,
+                                                         opts.value_splits, opts.row_splits, splits)
                 if not (t and v > 1) and c[3] // m >= 16]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
           f"triton={triton.__version__} "
           f"smem_limit={limits(opts.arch).smem_per_block}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
-          f"{'vs':>2} {'ms':>2} {'cap':>3} {'regs':>5} "
+          f"{'vs':>2} {'ms':>2} {'cap':>3} {'sp':>2} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
           f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
     rows = []

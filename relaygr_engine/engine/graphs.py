@@ -12,7 +12,8 @@ Padding. After the batch's ``B`` users come empty users up to ``U`` (a power of 
 the extra rows: ``H_pad - H`` history rows and ``C_pad - C`` candidates, with no cached prefix, each a copy of the
 batch's last row (so every id stays one the model accepts). Padding rows attend only to themselves and the padding
 user's rows; their K/V are not stored; their scores are dropped. The attention kernel runs a fixed tile table (the
-bucket's most tiles, the spare ones empty) and splits the cached prefix as for the bucket's longest prefix.
+bucket's most tiles, the spare ones empty) and splits each tile's keys as for the bucket's longest prefix and all its
+new history rows.
 
 What a captured model may do. It runs on the batch's tensors (``item_ids``, ``positions``, ...,
 ``candidate_rows``, ``num_candidate_rows``): the host layout (``rows``, ``start``, ``candidates_per_user``) changes
@@ -285,7 +286,8 @@ class GraphRunner:
 
         R, S = len(batch), key.users + 1
         plan = PrefixAttentionPlan(b.block_m[1], b.block_m[0], S, R, self.state.page_size, cache.kv[0].shape[0],
-                                   v("hist_tiles"), v("cand_tiles"), key.prefix + R, key.prefix, key.prefix)
+                                   v("hist_tiles"), v("cand_tiles"), key.prefix + R, key.prefix, key.prefix,
+                                   key.prefix + key.history_rows)
         paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
                            cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
                            plan=plan, kv_dtype=cache.kv_dtype, compute_dtype=cache.dtype)
