@@ -333,14 +333,9 @@ def prefix_attention_kernel(
         work_step = 1
 
     for work in range(pid, work_end, work_step):
-        if SPLIT:
-            split = work % num_splits                           # which share of the tile's keys
-            tile_head = work // num_splits
-        else:  # (known 0: nothing about the share is kept live across the key loops)
-            split = 0
-            tile_head = work
-        tile = tile_head // num_heads
-        head = tile_head % num_heads
+        split = work % num_splits                               # which share of the tile's keys (0 without SPLIT)
+        tile = work // num_splits // num_heads
+        head = work // num_splits % num_heads
         user = tl.load(tile_user_ptr + tile)
         row0 = tl.load(tile_row_ptr + tile) + m_part * SUB_M  # this program's first row
         q_start = tl.load(cu_q_ptr + user)
@@ -399,7 +394,8 @@ def prefix_attention_kernel(
 
         # 2. Its part [n_lo, n_hi) of the new history rows the tile sees: all of them for candidates, up to its last
         # row for a history tile (causal). (New history is short next to the prefix: every block is masked.)
-        # (Computed here, not before the prefix loop: nothing more is live across it.)
+        # (Computed here, not before the prefix loop, and without SPLIT the whole range: nothing more is live across
+        # the loops, whose registers run out at head dim 256.)
         n_end = n_hist if CAND_TILES else tl.minimum(row0 + SUB_M, n_hist)
         n_end = tl.where(live, n_end, 0)
         n_lo = 0

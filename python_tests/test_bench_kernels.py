@@ -34,11 +34,15 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     path = tmp_path / "k.json"
     spec = "B=1,P=300,n=3,C=5,H=2,D=32,page=16"
     assert bench.main(["--modes", "hstu,softmax", "--shape", spec, "--splits", "auto,3", "--json", str(path)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out.strip().splitlines()
+    last = out[-1]
     assert "geomean_ms_s1=" in last and "geomean_ms_s3=" in last  # auto: no split in the interpreter
     rows = json.loads(path.read_text())["rows"]
     assert sorted((r["mode"], r["splits"]) for r in rows) == [("hstu", 1), ("hstu", 3), ("softmax", 1),
                                                               ("softmax", 3)]
+    # keys per split: 303 keys (prefix and new history) in one share of 320, or in three of 128 (64-key multiples)
+    assert {(r["splits"], r["split_keys"]) for r in rows} == {(1, 320), (3, 128)}
+    assert any("keys/S" in line for line in out)
     assert all(r["prefix"] == 300 and r["cands"] == 5 and r["max_abs_err"] <= ATOL for r in rows)
     for bad in (["--shape", "B=1,P=64"], ["--splits", "0"], ["--splits", "33"], ["--splits", "two"]):
         with pytest.raises(SystemExit):
