@@ -127,19 +127,22 @@ def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, 
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128)))
 
 
-def _clean_value_split(c, rows: int, row_bias: bool) -> bool:
+def _clean_value_split(c, rows: int, row_bias: bool, split: bool) -> bool:
     """Whether a config of :data:`CUDA_CONFIGS` splitting the value columns in two compiles spill-free on sm_90
     (bf16; read off ``benchmarks/results/ptxas-sm90-value-splits.txt`` at head dim 256, where the halved
     accumulator is what it buys): its 4-warp configs (one warp group, so two programs per SM) where each program
     takes 64 rows (a 64-row tile whole, a 128-row one in two); its 64-key blocks on 8 warps except for 128-row
-    history tiles computing HSTU's bias in the kernel."""
+    history tiles computing HSTU's bias in the kernel. History tiles computing it with split-prefix scheduling
+    (``SPLIT``, the partial state stored) keep only 32-key blocks on 8 warps: the other two spill 44-56 bytes
+    there (``benchmarks/results/ptxas-sm90-defaults-split.txt``)."""
     if c.num_warps != CUDA_NUM_WARPS:
-        return _one_group_rows(c, rows)
-    return c.kwargs["BLOCK_N"] == 32 or not (row_bias and rows > 64)
+        return _one_group_rows(c, rows) and not (row_bias and split)
+    return c.kwargs["BLOCK_N"] == 32 or not (row_bias and (rows > 64 or split))
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """The autotune candidates of a variant that compile spill-free and fit shared memory on sm_90 (bf16): without
+    """The autotune candidates of a variant (``SPLIT`` too: a split prefix stores partial state, which takes
+    registers) that compile spill-free and fit shared memory on sm_90 (bf16): without
     value splits as :func:`_clean_one_program` says, with two as :func:`_clean_value_split` says, offered above
     head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); with registers capped
     (:data:`CAPPED_REGS`) for candidate tiles up to head dim 64 on pages in the model's dtype; 8-bit pages with the
@@ -157,6 +160,7 @@ def prune_configs(configs, named_args, **kwargs):
     narrow = kv8 and row_bias and head_dim > 128
     pick = meta.get("V_SPLITS_PICK", 0)
     capped_ok = cand and head_dim <= 64 and not kv8
+    split = meta.get("SPLIT", False)
 
     def offered(c) -> bool:
         splits = c.kwargs["V_SPLITS"]
@@ -169,7 +173,7 @@ def prune_configs(configs, named_args, **kwargs):
             and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
             and (c.maxnreg is None or capped_ok)
-            and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias) if c.kwargs["V_SPLITS"] > 1
+            and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias, split) if c.kwargs["V_SPLITS"] > 1
                                         else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias)))]
     return kept or [c for c in configs if offered(c)][:1] or configs[:1]
 

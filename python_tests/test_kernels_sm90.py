@@ -135,8 +135,9 @@ def test_programs_per_sm_takes_the_tightest_of_registers_shared_memory_and_slots
 @pytest.mark.slow
 def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path):
     """``relaygr bench ptxas --defaults``: exactly the configs the CUDA launcher can pick (rows per tile kind from
-    ``pick_config``, autotune configs after ``prune_configs``), each spill-free, with its SASS instruction mix: tensor
-    cores and asynchronous K/V copies in the key loop."""
+    ``pick_config``, autotune configs after ``prune_configs``), each spill-free, unsplit and split over the keys (the
+    build a ranking's few tiles run), with its SASS instruction mix: tensor cores and asynchronous K/V copies in the
+    key loop."""
     import importlib.util
     import subprocess
 
@@ -147,7 +148,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     path = tmp_path / "d.json"
     cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
-           "--json", str(path)]
+           "--split-prefix", "both", "--json", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
@@ -160,8 +161,9 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
               for m in ("softmax", "hstu", "hstu-inkernel", "hstu-nobias") for c in (False, True)
               if not (m == "hstu-inkernel" and c)}  # candidate tiles always read the bias table
     got = {(r["config"]["mode"], r["config"]["cand_tiles"]) for r in rows}
-    assert got == {(m, c) for m, c, _ in expect} and len(rows) == sum(n for *_, n in expect)
-    assert int(result["default_configs"]) == sum(n for m, _, n in expect if m != "hstu-nobias")
+    assert got == {(m, c) for m, c, _ in expect} and len(rows) == 2 * sum(n for *_, n in expect)
+    assert sum(r["config"]["split"] for r in rows) == len(rows) // 2  # each config unsplit and split
+    assert int(result["default_configs"]) == 2 * sum(n for m, _, n in expect if m != "hstu-nobias")
     assert result["default_spilling"] == "0"
     for kind in ("cand", "hist", "hist_inkernel"):
         assert float(result[f"bias_instr_ratio_{kind}"]) > 1.0, kind
@@ -186,8 +188,9 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
     bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
     offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
-    stages except for 128-row history tiles computing their bias; on 4 warps 64 rows a program, 32-key blocks, 2
-    stages (a 128-row tile as two such programs). Registers capped at 128 (two 8-warp programs per SM): candidate
+    stages except for 128-row history tiles computing their bias (and 64-row ones with a split prefix); on 4 warps
+    64 rows a program, 32-key blocks, 2 stages (a 128-row tile as two such programs; not for history tiles
+    computing their bias with a split prefix). Registers capped at 128 (two 8-warp programs per SM): candidate
     tiles up to head dim 64, 32-key blocks, 2 stages, pages in the model's dtype."""
     from relaygr_engine.kernels import _prefix_config as K
 
@@ -226,7 +229,12 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     hist256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True)
     assert kept(8, 2, **hist256, BLOCK_M=128) == [(32, 2), (32, 3)]
     assert kept(8, 2, **hist256, BLOCK_M=64) == [(32, 2), (32, 3), (64, 2)]
+    assert kept(4, 2, **hist256, BLOCK_M=64) == [(32, 2)]
+    # computing the bias with the prefix split (the partial state stored): 32-key blocks on 8 warps only
+    assert kept(8, 2, **hist256, BLOCK_M=64, SPLIT=True) == [(32, 2), (32, 3)]
+    assert kept(4, 2, **hist256, BLOCK_M=64, SPLIT=True) == []
     assert kept(8, 2, **hist256, BLOCK_M=128, HIST_TABLE=True) == [(32, 2), (32, 3), (64, 2)]
+    assert kept(8, 2, **hist256, BLOCK_M=128, HIST_TABLE=True, SPLIT=True) == [(32, 2), (32, 3), (64, 2)]
     for warps in (8, 4):
         assert kept(warps, 2, HEAD_DIM=128, HSTU=False, CAND_TILES=True, BLOCK_M=64) == []
     # asked for: only those, at any head dim

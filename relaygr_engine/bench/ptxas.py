@@ -255,14 +255,14 @@ def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="m
         if not cand and pick.hist_fallback_m is not None:
             heights = {"hstu": heights, "hstu-inkernel": [pick.hist_fallback_m]}.get(
                 mode, [pick.hist_fallback_m] + heights)
-        for rows in heights:
+        for rows, sp in itertools.product(heights, splits):
             kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=d, BLOCK_M=rows, HSTU=mode.startswith("hstu"),
                                    CAND_TILES=cand, HAS_POS=biased, HAS_TS=biased, HIST_TABLE=mode == "hstu",
-                                   PAGE_SIZE=page_size, KV8=kv_dtype != "model",
+                                   PAGE_SIZE=page_size, KV8=kv_dtype != "model", SPLIT=sp,
                                    TMA_READS=K.TMA_EITHER if tma and kv_dtype == "model" else K.TMA_OFF)
             grid += [Config(mode, d, cand, rows, c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, kv_dtype=kv_dtype,
                             tma=c.kwargs["TMA"], v_splits=c.kwargs["V_SPLITS"], m_splits=c.kwargs["M_SPLITS"],
-                            maxnreg=c.maxnreg, split=sp) for c in kept for sp in splits]
+                            maxnreg=c.maxnreg, split=sp) for c in kept]
     return grid
 
 
