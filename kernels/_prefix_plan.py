@@ -37,8 +37,6 @@ class PrefixAttentionPlan:
         user's segment (:func:`~relaygr_engine.kernels._common.tile_table`).
     max_key_len : int
         Longest prefix + segment of a user.
-    max_prefix_len : int
-        Longest cached prefix of a user.
     max_context_len : int
         Longest cached prefix + new history of a user: the most keys a tile streams besides its candidates' own
         (what split-prefix scheduling divides).
@@ -56,7 +54,6 @@ class PrefixAttentionPlan:
     cand_tiles: torch.Tensor
     max_key_len: int
     num_cached: int
-    max_prefix_len: int = 0
     max_context_len: int = 0
 
     @property
@@ -84,8 +81,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
     tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
     return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
                                tiles[0], tiles[1],
-                               max_key_len, int(prefix.sum()), int(prefix.max()) if b else 0,
-                               int(context.max()) if b else 0)
+                               max_key_len, int(prefix.sum()), int(context.max()) if b else 0)
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from . import _common as C
+from ._prefix_config import SPLIT_ALIGN
 
 __all__ = ["pick_splits", "split_layout", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
 
@@ -55,8 +56,6 @@ def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Op
     ``block_n`` above it), so that only a user's last block is masked. A chosen count then drops the splits the
     rounding left without keys (programs that would stream none and only add zeros to the merge); a count given
     as ``splits`` is kept as given. Without a split, ``split_len`` covers every key."""
-    from ._prefix_config import SPLIT_ALIGN
-
     num_splits = pick_splits(device, num_work, max_keys, splits, interpreted=interpreted)
     keys, align = max(max_keys, 1), max(SPLIT_ALIGN, block_n or 0)
     split_len = C.cdiv(C.cdiv(keys, num_splits), align) * align

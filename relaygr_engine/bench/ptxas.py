@@ -366,8 +366,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     import triton
 
-    pers = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.persistent]
-    splits = {"no": (False,), "yes": (True,), "both": (False, True)}[opts.split_prefix]
+    no_yes_both = {"no": (False,), "yes": (True,), "both": (False, True)}
+    pers, splits = no_yes_both[opts.persistent], no_yes_both[opts.split_prefix]
     dims = opts.head_dims or ([64, 128, 256] if opts.defaults else [64, 128])
     bms, bns, warps, stages = opts.block_m, opts.block_n, opts.warps, opts.stages
     pow2 = lambda x, lo: x >= lo and not x & (x - 1)  # noqa: E731
