@@ -70,9 +70,10 @@ done
 step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64.json" \
     "${OUT_DIR}/kernels-d128.json" "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
 # One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
-# the launcher's split count (auto) beside fixed ones, each a CUDA-graph replay.
-step kernels-splits 300 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
-    --splits auto,1,7,15,31 --json "${OUT_DIR}/kernels-splits.json"
+# the launcher's split count (auto) beside fixed ones, the two kinds of tile launched on two streams at once (auto)
+# and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)
+step kernels-splits 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
+    --splits auto,7,11,15 --concurrent-tiles auto,no --json "${OUT_DIR}/kernels-splits.json"
 # Head dim 256's value columns on one program or split over two (V_SPLITS; `auto` in the steps above lets the autotuner
 # pick): the long shapes, and the ranking layer with 128-row candidate tiles (8 warps, one program per SM) beside
 # 64-row ones (where the split's 4-warp config runs two programs per SM).

@@ -23,6 +23,7 @@ import importlib
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -124,6 +125,38 @@ def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else 0)
     return max(1, min(num_work, _num_cores(device.type, index)))
+
+
+# ---------------------------------------------------------------------------------------------- streams
+_SIDE = threading.local()  # per thread (a thread capturing a CUDA graph takes in every stream it forks to)
+
+
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """This thread's side stream on CUDA device ``index`` (created on first use)."""
+    streams = _SIDE.__dict__.setdefault("streams", {})
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
+
+
+@contextlib.contextmanager
+def tile_streams(device: torch.device, concurrent: bool):
+    """Launch on two streams inside the block: it yields ``on(side)``, a context that runs the launches in it on
+    this thread's side stream (``side=True``) or on the current stream. The side stream first waits for the current
+    one (it sees every input queued so far) and the current one waits for the side stream on exit (whatever follows
+    sees every output; tensors used on the side stream are freed after that point in the current stream's order, so
+    the caching allocator reuses none of them early). Inside a CUDA graph capture the side stream's launches become
+    a parallel branch. ``concurrent=False`` (or a device other than CUDA): one stream, ``on`` does nothing."""
+    if not concurrent or device.type != "cuda":
+        yield lambda side: contextlib.nullcontext()
+        return
+    main = torch.cuda.current_stream(device)
+    side_stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    side_stream.wait_stream(main)
+    try:
+        yield lambda side: torch.cuda.stream(side_stream) if side else contextlib.nullcontext()
+    finally:
+        main.wait_stream(side_stream)
 
 
 # ---------------------------------------------------------------------------------------------- validation

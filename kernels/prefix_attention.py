@@ -102,7 +102,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
                      plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
                      kv_dtype="model", bias_table_bytes: Optional[int] = None,
-                     page_reads="auto", value_splits: Optional[int] = None) -> torch.Tensor:
+                     page_reads="auto", value_splits: Optional[int] = None,
+                     concurrent_tiles: Optional[bool] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -179,6 +180,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         above head dim 128 on CUDA (:mod:`~relaygr_engine.kernels._prefix_config`); with ``block_n`` autotuned
         only 1 or 2 can be asked for; ``"tma"`` page reads take 1. Asked for, they count as programs where the
         prefix split count is chosen (``splits=None``).
+    concurrent_tiles : bool, optional
+        Launch the history tiles on a side stream, so that their launch and the candidate tiles' run at the same
+        time (they write disjoint rows; the call's stream waits for both before it returns or merges splits), not
+        one after the other. Default (None): on CUDA where the batch has both kinds of tile. The GPU then holds
+        the programs of both at once: a launch of few tiles (a ranking's one history tile per head against a long
+        prefix) no longer leaves SMs idle while the other waits behind it. Inside a CUDA graph the two launches
+        are two branches.
 
     Returns
     -------
@@ -226,6 +234,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
     _check_value_splits(value_splits, head_dim)
+    if concurrent_tiles is not None and not isinstance(concurrent_tiles, bool):
+        raise ValueError(f"concurrent_tiles must be a bool or None, got {concurrent_tiles!r}")
+    if concurrent_tiles and device.type != "cuda":
+        raise ValueError(f"concurrent_tiles=True needs a CUDA device (streams), got {device}")
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
     reads = parse_choice(PageReads, page_reads, "page_reads")
@@ -321,17 +333,24 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                                        V_SPLITS=value_splits or 1, M_SPLITS=cfg.row_splits)
         if cfg.num_warps is not None:
             extra.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    with C.device_guard(device):
-        for cand, tiles, rows in ((False, plan.hist_tiles, plan.hist_block_m),
-                                  (True, plan.cand_tiles, plan.block_m)):
+    launches = [(cand, tiles, rows) for cand, tiles, rows in ((False, plan.hist_tiles, plan.hist_block_m),
+                                                              (True, plan.cand_tiles, plan.block_m))
+                if tiles.shape[1] * num_heads > 0]
+    with C.device_guard(device), C.tile_streams(device, _concurrent(concurrent_tiles, device, len(launches))) as on:
+        for cand, tiles, rows in launches:
             num_work = tiles.shape[1] * num_heads * num_splits
-            if num_work == 0:
-                continue
             programs = C.num_programs(device, num_work, persistent)
             rows_of = dummy if table is None or not (cand or hist_table) else table if cand else table[user_rows:]
-            kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work, programs,
-                                num_splits, split_len, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand,
-                                HIST_TABLE=hist_table and not cand, **meta, **extra)
+            with on(side=not cand):
+                kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work,
+                                        programs, num_splits, split_len, total_q, *shape, BLOCK_M=rows,
+                                        CAND_TILES=cand, HIST_TABLE=hist_table and not cand, **meta, **extra)
     if num_splits > 1:
         out.copy_(merge_splits(ws, None if hstu else ml))
     return out
+
+
+def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, launches: int) -> bool:
+    """Whether this call's launches run on two streams: two launches to overlap, and ``concurrent_tiles`` (None: on
+    CUDA)."""
+    return launches == 2 and (device.type == "cuda" if concurrent_tiles is None else concurrent_tiles)

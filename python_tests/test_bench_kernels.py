@@ -69,6 +69,34 @@ def test_bench_kernels_compares_value_splits(tmp_path, capsys):
     assert "--value-splits must be 'auto' and/or powers of two" in capsys.readouterr().err
 
 
+@needs_interpreter
+def test_bench_kernels_concurrent_tiles_choices(tmp_path, capsys):
+    """``--concurrent-tiles auto,no``: each shape once per value, each row saying what ran (one stream off CUDA);
+    ``yes`` off CUDA and an unknown word are usage errors."""
+    from relaygr_engine.bench import kernels as bench
+
+    path = tmp_path / "k.json"
+    assert bench.main(["--modes", "hstu", "--shape", "B=1,P=100,n=3,C=5,H=1,D=32,page=16", "--concurrent-tiles",
+                       "auto,no", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["concurrent"] for r in rows] == [False, False] and all(r["max_abs_err"] <= ATOL for r in rows)
+    assert any(" cc " in line for line in out) and "geomean_ms_cc" not in out[-1]  # (one value ran: nothing to compare)
+    # (as a CUDA run's rows would be: one each way) a geomean per value, to compare them in one run
+    from relaygr_engine.bench import kernels_summary as S
+
+    rows[0].update(concurrent=True, time_ms=2.0)
+    rows[1].update(concurrent=False, time_ms=3.0)
+    summary = S.summarize(rows, device="cpu", dtype="float32")
+    assert (summary["geomean_ms_ccy"], summary["geomean_ms_ccn"]) == pytest.approx((2.0, 3.0))
+    assert " y " in S.row_line(rows[0]) and " n " in S.row_line(rows[1])
+    for bad, msg in ((["--concurrent-tiles", "yes"], "--concurrent-tiles yes needs a CUDA device (streams), got cpu"),
+                     (["--concurrent-tiles", "maybe"], "--concurrent-tiles must be 'auto', 'no', 'yes'")):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+        assert msg in capsys.readouterr().err
+
+
 def test_device_seconds_on_the_cpu_is_the_median_wall_time():
     calls = []
     t = device_seconds(lambda: calls.append(1), torch.device("cpu"), warmup=2, iters=5)

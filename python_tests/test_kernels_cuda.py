@@ -33,6 +33,35 @@ def test_prefix_attention_bf16_cuda(mode, persistent):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_concurrent_tiles_equal_one_stream_eagerly_and_in_a_graph_bf16_cuda(mode):
+    """A ranking's shape, split: history tiles on the side stream beside the candidate tiles give the one-stream
+    result bit for bit, eagerly and captured in a CUDA graph (two branches) replayed over new inputs."""
+    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention
+
+    users = [(3000, 64, 256)]
+    args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 128)
+    meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
+    kw["plan"] = plan_prefix_attention(**{n: args[n] for n in meta}, kv_cache=args["kv_cache"])  # (no device read)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()},
+                               **{n: x for n, x in kw.items() if n != "plan"})
+    one = prefix_attention(**args, **kw, concurrent_tiles=False)
+    two = prefix_attention(**args, **kw)  # the default on CUDA
+    torch.testing.assert_close(two, one, atol=0, rtol=0)
+    torch.testing.assert_close(two.float(), ref, atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prefix_attention(**args, **kw, concurrent_tiles=True)
+    for t in ("q", "k", "v"):
+        args[t].copy_(torch.randn_like(args[t]))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, prefix_attention(**args, **kw, concurrent_tiles=False), atol=0, rtol=0)
+
+
+@gpu
+@needs_cuda
 def test_page_reads_tma_before_sm90_is_refused():
     if tma_device(torch.device("cuda")):
         pytest.skip("this GPU runs TMA reads (sm_90+)")

@@ -1,7 +1,10 @@
 """CUDA's fast paths of the prefix-attention kernel, checked exact in Triton's interpreter: HSTU's SiLU through a
-tanh (``FAST_SILU``, with its PTX tanh swapped for an exact one) and full key blocks read through a tensor descriptor
-(``page_reads="tma"``)."""
+tanh (``FAST_SILU``, with its PTX tanh swapped for an exact one), full key blocks read through a tensor descriptor
+(``page_reads="tma"``), and the two kinds of tile launched on two streams (``concurrent_tiles``, its order of
+launches and joins)."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -191,3 +194,63 @@ def test_value_splits_refuses_what_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="value_splits=4 needs a fixed block_n: the autotuned configs split the value "
                                          "columns over 1 or 2 programs"):
         prefix_attention(**args, **kw, value_splits=4)
+
+
+@needs_interpreter
+def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monkeypatch):
+    """With ``concurrent_tiles`` the history tiles launch inside the side stream's context, the candidate tiles on
+    the call's stream, and the streams join before the split merge reads the partial sums (a stand-in for CUDA's
+    streams records the order on the CPU); the result is the one-stream result."""
+    from relaygr_engine.kernels import _common as C, prefix_attention as pa
+
+    args, bias = make_problem([(70, 9, 6), (40, 3, 5)], 16, 2, 32, seed=4)
+    kw = attention_kwargs("hstu", bias, 32)
+    one = prefix_attention(**args, **kw, block_m=16, block_n=16, splits=3)
+    events = []
+
+    @contextlib.contextmanager
+    def streams(device, concurrent):
+        events.append(("fork", concurrent))
+
+        @contextlib.contextmanager
+        def on(side):
+            events.append("side" if side else "main")
+            yield
+        yield on
+        events.append("join")
+
+    def merge(ws, ml):
+        events.append("merge")
+        return real_merge(ws, ml)
+    real_merge = pa.merge_splits
+    monkeypatch.setattr(C, "tile_streams", streams)
+    monkeypatch.setattr(pa, "merge_splits", merge)
+    monkeypatch.setattr(pa, "_concurrent", lambda flag, device, launches: launches == 2 and flag is not False)
+    two = prefix_attention(**args, **kw, block_m=16, block_n=16, splits=3)
+    assert events == [("fork", True), "side", "main", "join", "merge"]
+    torch.testing.assert_close(two, one, atol=0, rtol=0)
+    events.clear()
+    prefix_attention(**args, **kw, block_m=16, block_n=16, splits=3, concurrent_tiles=False)
+    assert events == [("fork", False), "side", "main", "join", "merge"]  # (one stream: `on` does nothing then)
+    events.clear()
+    hist_only = dict(args, num_candidates=torch.zeros_like(args["num_candidates"]))  # one kind of tile: one launch
+    prefix_attention(**hist_only, **kw, block_m=16, block_n=16)
+    assert events == [("fork", False), "side", "join"]
+
+
+@needs_interpreter
+def test_concurrent_tiles_refuses_what_cannot_run():
+    """Named, with what it needs, before any launch; on the CPU the launches share one stream (None, False)."""
+    from relaygr_engine.kernels import _common as C
+
+    args, bias = make_problem([(40, 2, 3)], 16, 2, 32)
+    kw = dict(mode="softmax", scale=0.1)
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(ValueError, match=rf"concurrent_tiles must be a bool or None, got {bad!r}"):
+            prefix_attention(**args, **kw, concurrent_tiles=bad)
+    with pytest.raises(ValueError, match="concurrent_tiles=True needs a CUDA device \\(streams\\), got cpu"):
+        prefix_attention(**args, **kw, concurrent_tiles=True)
+    ref = prefix_attention(**args, **kw)
+    torch.testing.assert_close(prefix_attention(**args, **kw, concurrent_tiles=False), ref, atol=0, rtol=0)
+    with C.tile_streams(torch.device("cpu"), True) as on, on(side=True):
+        pass  # no streams off CUDA: a no-op context

@@ -163,17 +163,21 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
-              splits: Optional[int] = None, value_splits: Optional[int] = None) -> dict:
+              splits: Optional[int] = None, value_splits: Optional[int] = None,
+              concurrent_tiles: Optional[bool] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
     the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
     rule); the row's ``splits`` is the number used, ``split_keys`` the keys each takes. ``value_splits``: programs
-    per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice)."""
+    per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
+    ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
+    rule); the row's ``concurrent`` is what ran."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import split_layout
-    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
+    from relaygr_engine.kernels.prefix_attention import (_concurrent, plan_prefix_attention, prefix_attention,
+                                                          reset_autotuning)
 
     args, kw = problem(shape, device, dtype, contiguous=False)
     cargs, _ = problem(shape, device, dtype, contiguous=True)
@@ -187,8 +191,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
-        **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits)
+        **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
+        concurrent_tiles=concurrent_tiles)
     used_m = plan.block_m
+    concurrent = _concurrent(concurrent_tiles, device, (plan.hist_tiles.shape[1] > 0) + (plan.cand_tiles.shape[1] > 0))
     used_splits, split_keys = split_layout(device, plan.num_tiles * shape.heads * (value_splits or 1),
                                            plan.max_context_len, None, splits)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
@@ -211,7 +217,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
     row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
-               value_splits=value_splits,
+               value_splits=value_splits, concurrent=concurrent,
                time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
@@ -287,6 +293,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--value-splits", default="auto",
                     help="programs per tile over its value columns: auto (autotuned on CUDA: 1 or 2 above head dim "
                          "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")
+    ap.add_argument("--concurrent-tiles", default="auto",
+                    help="the history and candidate tiles' launches on two streams (yes) or one after the other "
+                         "(no): auto (the launcher's rule: two on CUDA) and/or a comma-separated list to compare, "
+                         "e.g. auto,no (each shape runs once per value; yes needs CUDA)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -316,6 +326,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "powers of two")
     custom = [_shape(ap, spec, m) for spec in opts.shape or () for m in modes]
     cpu = device.type == "cpu"
+    concurrent = _choices(ap, "--concurrent-tiles", opts.concurrent_tiles, {"auto": None, "no": False, "yes": True})
+    if True in concurrent and device.type != "cuda":
+        ap.error(f"--concurrent-tiles yes needs a CUDA device (streams), got {device}")
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
@@ -332,11 +345,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    for shape, block_m, n_splits, n_v in itertools.product(shapes, block_ms, splits, v_splits):
+    for shape, block_m, n_splits, n_v, cc in itertools.product(shapes, block_ms, splits, v_splits, concurrent):
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,
-                          value_splits=n_v)
+                          value_splits=n_v, concurrent_tiles=cc)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2
@@ -361,6 +374,15 @@ def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool
     if not values:
         ap.error(f"{flag} must be 'auto' and/or {what}, comma-separated, got {text!r}")
     return values
+
+
+def _choices(ap: ArgumentParser, flag: str, text: str, names: dict) -> list:
+    """The comma-separated values of ``text``, each a key of ``names`` (a usage error otherwise), as their
+    values."""
+    keys = [t.strip() for t in text.split(",") if t.strip()]
+    if not keys or any(k not in names for k in keys):
+        ap.error(f"{flag} must be {', '.join(map(repr, names))}, comma-separated, got {text!r}")
+    return [names[k] for k in keys]
 
 
 def _shape(ap: ArgumentParser, spec: str, mode: str) -> Shape:

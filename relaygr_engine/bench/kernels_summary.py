@@ -12,7 +12,8 @@ __all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head over "
-        "the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned). On CUDA every "
+        "the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: history and "
+        "candidate tiles launched on two streams at once (y) or one after the other (n). On CUDA every "
         "time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
@@ -25,17 +26,17 @@ def _geo(xs: list) -> Optional[float]:
 
 
 def header(cuda: bool) -> str:
-    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} "
+    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'cc':>2} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} "
             f"{'vs_gath':>8} {'vs_recomp':>9} {'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
     return head + (f" {'%matmul':>8} {'vs_flashinfer':>13}" if cuda else "")
 
 
 def row_line(r: dict) -> str:
     """One shape's line of the table (``%matmul`` and FlashInfer where the row has them: CUDA runs; ``keys/S``, the
-    keys each split takes, where the row has it)."""
+    keys each split takes, and ``cc``, whether the two kinds of tile ran concurrently, where the row has them)."""
     v = r.get("value_splits")
     line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
-            f"{'a' if v is None else v:>2} "
+            f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
             f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -76,6 +77,10 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     if len(v_splits) > 1:  # one geomean per value split (auto: the autotuner's choice), to compare them in one run
         for n in sorted(v_splits, key=lambda v: v or 0):
             summary[f"geomean_ms_v{n or 'auto'}"] = _geo([r["time_ms"] for r in rows if r.get("value_splits") == n])
+    concurrent = {r["concurrent"] for r in rows if "concurrent" in r}
+    if len(concurrent) > 1:  # two streams vs one, over the same shapes and split counts
+        for c in sorted(concurrent):
+            summary[f"geomean_ms_cc{'yn'[not c]}"] = _geo([r["time_ms"] for r in rows if r.get("concurrent") == c])
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
