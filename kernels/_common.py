@@ -118,13 +118,18 @@ def _num_cores(device_type: str, index: int) -> int:
     return INTERPRETER_PROGRAMS
 
 
+def num_cores(device: torch.device) -> int:
+    """Cores of ``device``: SMs (CUDA), AI cores (NPU), :data:`INTERPRETER_PROGRAMS` on the CPU."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    return _num_cores(device.type, index)
+
+
 def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
     """Programs to launch for ``num_work`` tiles: one each, or (persistent) one per core, each looping."""
     if not persistent:
         return max(1, num_work)
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    return max(1, min(num_work, _num_cores(device.type, index)))
+    return max(1, min(num_work, num_cores(device)))
 
 
 # ---------------------------------------------------------------------------------------------- streams

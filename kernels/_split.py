@@ -41,8 +41,7 @@ def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Opti
         return splits
     if device.type != "cuda" or interpreted or num_work <= 0:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cores = C._num_cores("cuda", index)
+    cores = C.num_cores(device)
     if num_work >= cores:
         return 1
     return max(1, min(C.cdiv(2 * cores, num_work), max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))

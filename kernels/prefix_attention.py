@@ -183,10 +183,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     concurrent_tiles : bool, optional
         Launch the history tiles on a side stream, so that their launch and the candidate tiles' run at the same
         time (they write disjoint rows; the call's stream waits for both before it returns or merges splits), not
-        one after the other. Default (None): on CUDA where the batch has both kinds of tile. The GPU then holds
-        the programs of both at once: a launch of few tiles (a ranking's one history tile per head against a long
-        prefix) no longer leaves SMs idle while the other waits behind it. Inside a CUDA graph the two launches
-        are two branches.
+        one after the other. Default (None): on CUDA where the batch has both kinds of tile and the history launch
+        has fewer programs than the GPU has SMs (e.g. a ranking's one history tile per head against a long
+        prefix): the candidate tiles' programs then run on the SMs the history launch leaves idle instead of after
+        it. Inside a CUDA graph the two launches are two branches.
 
     Returns
     -------
@@ -336,7 +336,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     launches = [(cand, tiles, rows) for cand, tiles, rows in ((False, plan.hist_tiles, plan.hist_block_m),
                                                               (True, plan.cand_tiles, plan.block_m))
                 if tiles.shape[1] * num_heads > 0]
-    with C.device_guard(device), C.tile_streams(device, _concurrent(concurrent_tiles, device, len(launches))) as on:
+    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,
+                             plan.cand_tiles.shape[1] * num_heads)
+    with C.device_guard(device), C.tile_streams(device, concurrent) as on:
         for cand, tiles, rows in launches:
             num_work = tiles.shape[1] * num_heads * num_splits
             programs = C.num_programs(device, num_work, persistent)
@@ -350,7 +352,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     return out
 
 
-def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, launches: int) -> bool:
-    """Whether this call's launches run on two streams: two launches to overlap, and ``concurrent_tiles`` (None: on
-    CUDA)."""
-    return launches == 2 and (device.type == "cuda" if concurrent_tiles is None else concurrent_tiles)
+def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, hist_work: int, cand_work: int) -> bool:
+    """Whether a call's two launches run on two streams: both have work (``hist_work`` programs of history tiles,
+    ``cand_work`` (tile, head) pairs of candidate tiles), and ``concurrent_tiles``; None: on CUDA where the history
+    launch alone leaves SMs idle (fewer programs than SMs: a ranking's few new rows), the only case where the
+    candidate launch has SMs to run on beside it (else the side stream is host work for nothing)."""
+    if not (hist_work and cand_work):
+        return False
+    if concurrent_tiles is not None:
+        return concurrent_tiles
+    return device.type == "cuda" and hist_work < C.num_cores(device)

@@ -225,7 +225,7 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
     real_merge = pa.merge_splits
     monkeypatch.setattr(C, "tile_streams", streams)
     monkeypatch.setattr(pa, "merge_splits", merge)
-    monkeypatch.setattr(pa, "_concurrent", lambda flag, device, launches: launches == 2 and flag is not False)
+    monkeypatch.setattr(pa, "_concurrent", lambda flag, device, hist, cand: bool(hist and cand) and flag is not False)
     two = prefix_attention(**args, **kw, block_m=16, block_n=16, splits=3)
     assert events == [("fork", True), "side", "main", "join", "merge"]
     torch.testing.assert_close(two, one, atol=0, rtol=0)
@@ -236,6 +236,20 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
     hist_only = dict(args, num_candidates=torch.zeros_like(args["num_candidates"]))  # one kind of tile: one launch
     prefix_attention(**hist_only, **kw, block_m=16, block_n=16)
     assert events == [("fork", False), "side", "join"]
+
+
+def test_concurrent_tiles_default_where_the_history_launch_leaves_sms_idle(monkeypatch):
+    """None: two streams on CUDA where both kinds of tile have work and the history launch has fewer programs than
+    SMs (NVIDIA's ranking shape: 1 history tile x 4 heads x 16 splits = 64 of 132), one stream where it fills them
+    (a long full inference) or off CUDA; a caller's choice is kept where both kinds have work."""
+    from relaygr_engine.kernels import _common as C, prefix_attention as pa
+
+    monkeypatch.setattr(C, "_num_cores", lambda kind, index: 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert pa._concurrent(None, cuda, 64, 8) and not pa._concurrent(None, cuda, 512, 8)
+    assert not pa._concurrent(None, cuda, 132, 8) and not pa._concurrent(None, cpu, 1, 1)
+    assert not any(pa._concurrent(flag, cuda, h, c) for flag in (None, True) for h, c in ((0, 8), (64, 0)))
+    assert pa._concurrent(True, cuda, 512, 8) and not pa._concurrent(False, cuda, 64, 8)
 
 
 @needs_interpreter

@@ -194,9 +194,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
         concurrent_tiles=concurrent_tiles)
     used_m = plan.block_m
-    concurrent = _concurrent(concurrent_tiles, device, (plan.hist_tiles.shape[1] > 0) + (plan.cand_tiles.shape[1] > 0))
     used_splits, split_keys = split_layout(device, plan.num_tiles * shape.heads * (value_splits or 1),
                                            plan.max_context_len, None, splits)
+    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * shape.heads * used_splits,
+                             plan.cand_tiles.shape[1] * shape.heads)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
