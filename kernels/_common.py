@@ -136,10 +136,14 @@ def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
 _SIDE = threading.local()  # per thread (a thread capturing a CUDA graph takes in every stream it forks to)
 
 
-def _side_stream(index: int) -> torch.cuda.Stream:
-    """This thread's side stream on CUDA device ``index`` (created on first use)."""
+def _side_stream(index: int) -> Optional[torch.cuda.Stream]:
+    """This thread's side stream on CUDA device ``index``, created on first use; None where it does not exist yet
+    and the current stream is capturing a CUDA graph (no stream is created inside a capture: its launches then
+    share the capturing stream)."""
     streams = _SIDE.__dict__.setdefault("streams", {})
     if index not in streams:
+        if torch.cuda.is_current_stream_capturing():
+            return None
         streams[index] = torch.cuda.Stream(device=index)
     return streams[index]
 
@@ -151,12 +155,15 @@ def tile_streams(device: torch.device, concurrent: bool):
     one (it sees every input queued so far) and the current one waits for the side stream on exit (whatever follows
     sees every output; tensors used on the side stream are freed after that point in the current stream's order, so
     the caching allocator reuses none of them early). Inside a CUDA graph capture the side stream's launches become
-    a parallel branch. ``concurrent=False`` (or a device other than CUDA): one stream, ``on`` does nothing."""
-    if not concurrent or device.type != "cuda":
+    a parallel branch. ``concurrent=False``, a device other than CUDA, or a capture before this thread's first
+    side stream: one stream, ``on`` does nothing."""
+    side_stream = None
+    if concurrent and device.type == "cuda":
+        side_stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    if side_stream is None:
         yield lambda side: contextlib.nullcontext()
         return
     main = torch.cuda.current_stream(device)
-    side_stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
     side_stream.wait_stream(main)
     try:
         yield lambda side: torch.cuda.stream(side_stream) if side else contextlib.nullcontext()

@@ -1,6 +1,8 @@
 """Prefix attention compiled on CUDA (bf16 and fp32; skipped without a CUDA device), and the split-prefix choice."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from kernel_problems import attention_kwargs, check_attention, gpu, make_problem, needs_cuda
@@ -58,6 +60,19 @@ def test_concurrent_tiles_equal_one_stream_eagerly_and_in_a_graph_bf16_cuda(mode
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, prefix_attention(**args, **kw, concurrent_tiles=False), atol=0, rtol=0)
+    # a thread whose first call is inside a capture creates no stream there: its launches share the capturing one
+    captured = []
+
+    def capture_first():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured.append(prefix_attention(**args, **kw, concurrent_tiles=True))
+        g.replay()
+        torch.cuda.synchronize()
+    worker = threading.Thread(target=capture_first)
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(captured[0], out, atol=0, rtol=0)
 
 
 @gpu
