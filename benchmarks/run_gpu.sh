@@ -9,7 +9,7 @@
 #   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
 #   3. STEPS="kernels-d256 kernels-vsplits-rank kernels-splits rank profile-graphs"  (about 6)
 #   4. STEPS="kernels-vsplits ncu ncu-kernel"       5. STEPS="rank-compile tiers sync"
-#   6+. STEPS=slo-seeds SLO_SEEDS=<one seed per call>
+#   6+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call has 10 minutes)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
@@ -123,9 +123,11 @@ step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --
 # picks the seeds of this call (default 0,1,2): where a call is time-limited, run one seed per call into the same
 # slo-seeds folder (copy the earlier seeds' folders back in first), then summarise them anywhere, no GPU needed:
 # relaygr bench seeds OUT_DIR/slo-seeds (it refuses runs whose settings differ other than in their seed).
+# SLO_ARGS: more options for every seed (e.g. --quick; give the same to each call: the summary checks it).
 SLO_SEEDS=${SLO_SEEDS:-0,1,2}
+SLO_ARGS=${SLO_ARGS:-}
 step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nvidia-hstu --seeds "${SLO_SEEDS}" \
-    --no-progress --out "${OUT_DIR}/slo-seeds"
+    ${SLO_ARGS} --no-progress --out "${OUT_DIR}/slo-seeds"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.
 step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider

@@ -145,8 +145,10 @@ def test_run_gpu_sh_runs_the_seeds_command_line(fake_h100):
     script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
     joined = script.replace("\\\n", " ")
     line = next(x for x in joined.splitlines() if x.startswith("step slo-seeds "))
-    argv = shlex.split(line.split("relaygr_engine.cli", 1)[1].replace('"${OUT_DIR}', '"out')
-                       .replace('"${SLO_SEEDS}"', "0,1,2"))
+    cmd = line.split("relaygr_engine.cli", 1)[1].replace('"${OUT_DIR}', '"out').replace('"${SLO_SEEDS}"', "0,1,2")
+    argv = shlex.split(cmd.replace("${SLO_ARGS}", ""))  # (SLO_ARGS unset: the full settings)
     assert argv[:len(GPU_SEEDS)] == GPU_SEEDS
     args = _settings(slo.build_parser(), argv[2:] + ["--no-plots"])
-    assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile
+    assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile and not args.quick
+    quick = _settings(slo.build_parser(), shlex.split(cmd.replace("${SLO_ARGS}", "--quick"))[2:] + ["--no-plots"])
+    assert quick.quick and quick.shape == args.shape
