@@ -5,11 +5,12 @@
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
-# Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files):
-#   1. STEPS="env tests-gpu"            2. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
-#   3. STEPS="kernels-d256 kernels-vsplits-rank kernels-splits rank profile-graphs"  (about 6)
-#   4. STEPS="kernels-vsplits ncu ncu-kernel"       5. STEPS="rank-compile tiers sync"
-#   6+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call has 10 minutes)
+# Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files), in the order
+# of what is least known (as of 2026-11-25: the even split shares and the two-stream launches were never timed):
+#   1. STEPS="env kernels-splits rank profile-graphs"   2. STEPS="tests-gpu"
+#   3. STEPS="kernels-d256 kernels-vsplits-rank"        4. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
+#   5. STEPS="kernels-vsplits ncu ncu-kernel"           6. STEPS="rank-compile tiers sync"
+#   7+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call has 10 minutes)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
