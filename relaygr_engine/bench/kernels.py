@@ -296,7 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")
     ap.add_argument("--concurrent-tiles", default="auto",
                     help="the history and candidate tiles' launches on two streams (yes) or one after the other "
-                         "(no): auto (the launcher's rule: two on CUDA) and/or a comma-separated list to compare, "
+                         "(no): auto (the launcher's rule: two on CUDA where the history launch has fewer programs "
+                         "than SMs) and/or a comma-separated list to compare, "
                          "e.g. auto,no (each shape runs once per value; yes needs CUDA)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
