@@ -120,3 +120,32 @@ def test_device_seconds_replays_a_captured_call_and_falls_back_where_capture_fai
     with caplog.at_level(logging.WARNING, logger="relaygr_engine.bench.device_timing"):
         assert device_seconds(host_read, device, warmup=1, iters=3) > 0
     assert "cannot be captured in a CUDA graph" in caplog.text
+
+
+def test_run_gpu_sh_kernel_steps_parse(tmp_path, monkeypatch):
+    """Every ``bench kernels`` step of benchmarks/run_gpu.sh parses as on a CUDA machine and reaches its first
+    shape (a bad option there would cost a device call): the device is faked, the first shape's run stops it."""
+    import pathlib
+    import shlex
+
+    from relaygr_engine.bench import kernels as bench
+
+    class Reached(Exception):
+        pass
+
+    def first_shape(shape, device, dtype, **kw):
+        raise Reached(kw)
+
+    monkeypatch.setattr(bench, "_prepare_device", lambda name: (torch.device("cuda"), ""))
+    monkeypatch.setattr(bench, "run_shape", first_shape)
+    script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
+    lines = [x for x in script.replace("\\\n", " ").splitlines()
+             if "relaygr_engine.cli bench kernels" in x and "--summarize" not in x]
+    assert len(lines) >= 7
+    for line in lines:
+        cmd = line.split("relaygr_engine.cli bench kernels", 1)[1]
+        argv = shlex.split(cmd.replace("${OUT_DIR}", str(tmp_path)).replace("${d}", "64"))
+        with pytest.raises(Reached) as got:
+            bench.main(argv)
+        if "--concurrent-tiles" in argv:  # kernels-splits: the ranking layer, its first split count, both ways
+            assert got.value.args[0]["splits"] is None and got.value.args[0]["concurrent_tiles"] is None
