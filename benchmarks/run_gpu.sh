@@ -97,18 +97,22 @@ step profile 300 $PY benchmarks/profile_rank.py
 step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs
 # What bounds the engine's kernels in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
 # sections for each launch of the prefix kernel (16: history and candidate tiles of 8 layers), the bias table (8)
-# and the split merge's reduction (8), in one ranking after warm-up. Needs ncu and access to the GPU's performance
-# counters; says so and passes where ncu is missing.
+# and the split merge's reduction (8), in one ranking after warm-up, with why warps wait (WarpStateStats: stall
+# reasons per issued instruction; SchedulerStats: eligible warps per cycle). (ncu runs launches one at a time: the
+# two streams' overlap shows in profile-graphs, not here.) Needs ncu and access to the GPU's performance counters;
+# says so and passes where ncu is missing.
 step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
     ncu --profile-from-start off --kernel-name 'regex:prefix_attention|bias_table|reduce_kernel' \
-    --section SpeedOfLight \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section Occupancy --section WarpStateStats --section SchedulerStats \
     $PY benchmarks/profile_rank.py --cuda-profiler-window"
 # The same sections for the long HSTU shape of bench kernels at head dim 256 (4 users x 16384 cached keys, 1056 rows
-# each): whether the kernel is bound by memory (K/V re-read by the candidate tiles of a user) or by issue.
+# each): whether the kernel is bound by memory (K/V re-read by the candidate tiles of a user) or by issue; and
+# SourceCounters: the SASS lines where warps stall most (the key loop's waits on its copies, its MMAs, its barriers).
 step ncu-kernel 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
     ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section SourceCounters \
     $PY benchmarks/profile_kernel.py"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
