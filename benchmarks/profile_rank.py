@@ -23,6 +23,16 @@ import relaygr_engine as rg
 from relaygr_engine.bench.common import synthetic_history
 
 
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` spans: the time a device was busy with any of them."""
+    busy, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return busy
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=5)
@@ -65,6 +75,12 @@ def main() -> None:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, total = busy_us(spans), sum(b - a for a, b in spans)
+    print(f"GPU per ranking: busy {busy / args.calls:.1f} us (the union of its kernels' and copies' spans), "
+          f"{total / args.calls:.1f} us summed over them ({(total - busy) / args.calls:.1f} us overlapped: launches "
+          f"on two streams at once)")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     pr = cProfile.Profile()
     pr.enable()

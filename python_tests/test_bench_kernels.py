@@ -149,3 +149,17 @@ def test_run_gpu_sh_kernel_steps_parse(tmp_path, monkeypatch):
             bench.main(argv)
         if "--concurrent-tiles" in argv:  # kernels-splits: the ranking layer, its first split count, both ways
             assert got.value.args[0]["splits"] is None and got.value.args[0]["concurrent_tiles"] is None
+
+
+def test_profile_rank_counts_overlapping_kernels_once():
+    """benchmarks/profile_rank.py's GPU busy time is the union of the kernels' spans: two launches running at once
+    (the history and candidate tiles on two streams) count once, gaps not at all."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_rank.py"
+    spec = importlib.util.spec_from_file_location("profile_rank", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.busy_us([(20, 25), (0, 10), (5, 15), (21, 22), (15, 16)]) == 21.0
+    assert module.busy_us([]) == 0.0 and module.busy_us([(3, 3)]) == 0.0
