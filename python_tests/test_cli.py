@@ -66,3 +66,15 @@ def test_console_script_runs_as_a_module():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("RESULT ")
+
+
+def test_bench_rank_graph_speedup_compares_both_graphed():
+    """``graph_speedup`` is full inference over the cached ranking with both graphed through the same kernels (the
+    engine's no-cache forward); the eager dense full inference is ``graph_speedup_vs_dense`` (the H100 run of
+    2026-11-25: 7.67 and 13.1 ms over 2.18 ms)."""
+    from relaygr_engine.bench.rank import graph_result
+
+    r = graph_result(4096, 256, full_ms=13.1, cached_ms=9.55, graph_full_ms=7.67, graph_cached_ms=2.18)
+    assert r == {"graph_cached_ms_L4096_C256": 2.18, "graph_recompute_ms_L4096_C256": 7.67,
+                 "graph_speedup_L4096_C256": 3.52, "graph_speedup_vs_dense_L4096_C256": 6.01,
+                 "graph_gain_L4096_C256": 4.38}
