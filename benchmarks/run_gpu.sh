@@ -116,7 +116,8 @@ step ncu-kernel 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found:
     $PY benchmarks/profile_kernel.py"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
-# copied serially vs layer-wise (layer l+1 on a side stream while layer l computes).
+# copied serially vs layer-wise (layer l+1 on a side stream while layer l computes), each against the same
+# ranking's HBM hit (dram_layer_vs_hbm_L8192: issue 26's goal, <= 1.3).
 step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --model nvidia-hstu --page-size 64 \
     --lengths 1024,4096,8192,16384 --json "${OUT_DIR}/tiers.json"
 # The small model at production lengths, both sides eager, then both graphed and compiled (the CUDA defaults).

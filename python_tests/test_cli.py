@@ -50,9 +50,11 @@ def test_bench_pool_smoke(tmp_path, capsys):
 
 
 def test_bench_tiers_smoke(capsys):
-    assert cli.main(["bench", "tiers", "--lengths", "64", "--repeats", "1", "--candidates", "4"]) == 0
+    assert cli.main(["bench", "tiers", "--lengths", "64,96", "--repeats", "1", "--candidates", "4"]) == 0
     r = parse_result(last_line(capsys))
-    assert float(r["reload_ms"]) > 0 and float(r["recompute_ms"]) > 0
+    assert float(r["reload_ms"]) > 0 and float(r["recompute_ms"]) > 0 and float(r["rank_hbm_ms"]) > 0
+    # a DRAM hit against an HBM hit (issue 26's third goal, read at 8k tokens on a GPU), at every length
+    assert all(float(r[f"dram_{k}_vs_hbm_L{L}"]) > 0 for k in ("layer", "serial") for L in (64, 96))
 
 
 def test_bench_rank_smoke(capsys):

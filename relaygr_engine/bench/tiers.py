@@ -10,6 +10,8 @@ Per prefix length L, in one run on one engine:
   copies every layer before the forward, ``layer`` (layer-wise onload, :mod:`relaygr_engine.onload`) copies layer
   ``l + 1`` on a side stream while layer ``l`` computes (on a CPU a stand-in copies each layer when it is needed:
   no overlap, the same work);
+* ``rank hbm ms``: the same request with its prefix resident in device memory (an HBM hit), what a DRAM hit is
+  measured against (``dram_layer_vs_hbm_L*``: the layer-wise DRAM hit's latency over the HBM hit's);
 * on CUDA, the reload's GB/s next to a plain pinned host-to-device copy of the same bytes.
 """
 from __future__ import annotations
@@ -78,10 +80,16 @@ def measure(model, L: int, cands: torch.Tensor, device: torch.device, dtype, pag
     layered.dram.put(entry)
     rank_layer_ms = _time(lambda: rank_from_dram(layered), device, repeats)
     assert layered.stats()["layered_reloads"] == repeats and engine.stats()["layered_reloads"] == 0
+
+    def rank_from_hbm():  # the prefix the last DRAM hit reloaded stays in device memory
+        r = layered.rank_with_prefix(user, full, cands)
+        assert r.source == "hbm", r.source
+
+    rank_hbm_ms = _time(rank_from_hbm, device, repeats)
     rank_recompute_ms = _time(rank_recompute, device, repeats)
     row = dict(L=L, bytes=nbytes, reload_ms=reload_ms, recompute_ms=recompute_ms,
-               rank_dram_ms=rank_dram_ms, rank_dram_layer_ms=rank_layer_ms, rank_recompute_ms=rank_recompute_ms,
-               reload_gbps=nbytes / reload_ms / 1e6)
+               rank_dram_ms=rank_dram_ms, rank_dram_layer_ms=rank_layer_ms, rank_hbm_ms=rank_hbm_ms,
+               rank_recompute_ms=rank_recompute_ms, reload_gbps=nbytes / reload_ms / 1e6)
     if device.type == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -118,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"HSTU, {args.model} model: {shape.describe()}, page {args.page_size}, C={args.candidates}, "
           f"{NEW_TOKENS} new tokens, median of {repeats}")
     head = f"{'L':>6s} {'MB':>7s} {'reload ms':>10s} {'recompute ms':>13s} {'ratio':>7s} " \
-           f"{'rank dram ms':>13s} {'layer-wise ms':>14s} {'rank recomp ms':>15s} {'reload GB/s':>12s}"
+           f"{'rank dram ms':>13s} {'layer-wise ms':>14s} {'rank hbm ms':>12s} {'rank recomp ms':>15s} " \
+           f"{'reload GB/s':>12s}"
     print(head + ("  h2d GB/s" if device.type == "cuda" else ""))
     measure(model, 64, cands.to(device), device, dtype, args.page_size, 1)  # warm-up (op registration, caches)
     rows = []
@@ -127,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(r)
         line = (f"{L:6d} {r['bytes'] / 2**20:7.2f} {r['reload_ms']:10.3f} {r['recompute_ms']:13.2f} "
                 f"{r['recompute_ms'] / r['reload_ms']:6.0f}x {r['rank_dram_ms']:13.2f} {r['rank_dram_layer_ms']:14.2f} "
-                f"{r['rank_recompute_ms']:15.2f} {r['reload_gbps']:12.2f}")
+                f"{r['rank_hbm_ms']:12.2f} {r['rank_recompute_ms']:15.2f} {r['reload_gbps']:12.2f}")
         print(line + (f"  {r['h2d_gbps']:8.2f}" if "h2d_gbps" in r else ""), flush=True)
     last = rows[-1]
     result = {"device": device.type, "max_len": last["L"],
@@ -137,7 +146,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               "rank_dram_serial_ms": round(last["rank_dram_ms"], 3),
               "rank_dram_layer_ms": round(last["rank_dram_layer_ms"], 3),
               "layer_onload_gain": round(last["rank_dram_ms"] / last["rank_dram_layer_ms"], 2),
+              "rank_hbm_ms": round(last["rank_hbm_ms"], 3),
               "reload_gbps": round(last["reload_gbps"], 2)}
+    for r in rows:  # a DRAM hit's ranking latency over an HBM hit's, layer-wise and serial, at every length
+        result[f"dram_layer_vs_hbm_L{r['L']}"] = round(r["rank_dram_layer_ms"] / r["rank_hbm_ms"], 2)
+        result[f"dram_serial_vs_hbm_L{r['L']}"] = round(r["rank_dram_ms"] / r["rank_hbm_ms"], 2)
     if "h2d_gbps" in last:
         result["h2d_gbps"] = round(last["h2d_gbps"], 2)
         result["reload_vs_h2d"] = round(last["reload_gbps"] / last["h2d_gbps"], 3)
