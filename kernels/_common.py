@@ -118,11 +118,16 @@ def _num_cores(device_type: str, index: int) -> int:
     return INTERPRETER_PROGRAMS
 
 
+def _device_index(device: torch.device) -> int:
+    """``device``'s index: the current CUDA device where it names none."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
 def num_cores(device: torch.device) -> int:
     """Cores of ``device``: SMs (CUDA), AI cores (NPU), :data:`INTERPRETER_PROGRAMS` on the CPU."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    return _num_cores(device.type, index)
+    return _num_cores(device.type, _device_index(device))
 
 
 def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:
@@ -159,7 +164,7 @@ def tile_streams(device: torch.device, concurrent: bool):
     side stream: one stream, ``on`` does nothing."""
     side_stream = None
     if concurrent and device.type == "cuda":
-        side_stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+        side_stream = _side_stream(_device_index(device))
     if side_stream is None:
         yield lambda side: contextlib.nullcontext()
         return

@@ -274,10 +274,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
-    # (a caller's value splits multiply the programs per tile; the autotuner's are not known here)
-    num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
-                                         plan.max_context_len, cfg.block_n, splits,
-                                         interpreted=C.is_interpreted(_prefix_attention_kernel))
+    num_splits, split_len, concurrent = schedule(plan, device, num_heads, block_n=cfg.block_n, splits=splits,
+                                                 value_splits=value_splits, concurrent_tiles=concurrent_tiles)
     assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
     ws = ml = q  # stand-ins without SPLIT (never written)
     if num_splits > 1:
@@ -336,8 +334,6 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     launches = [(cand, tiles, rows) for cand, tiles, rows in ((False, plan.hist_tiles, plan.hist_block_m),
                                                               (True, plan.cand_tiles, plan.block_m))
                 if tiles.shape[1] * num_heads > 0]
-    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,
-                             plan.cand_tiles.shape[1] * num_heads)
     with C.device_guard(device), C.tile_streams(device, concurrent) as on:
         for cand, tiles, rows in launches:
             num_work = tiles.shape[1] * num_heads * num_splits
@@ -350,6 +346,21 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     if num_splits > 1:
         out.copy_(merge_splits(ws, None if hstu else ml))
     return out
+
+
+def schedule(plan: PrefixAttentionPlan, device: torch.device, num_heads: int, *, block_n: Optional[int] = None,
+             splits: Optional[int] = None, value_splits: Optional[int] = None,
+             concurrent_tiles: Optional[bool] = None) -> tuple[int, int, bool]:
+    """How a call runs ``plan``'s tiles: ``(num_splits, split_len, concurrent)``, the prefix splits of each
+    (tile, head) and their keys (:func:`~relaygr_engine.kernels._split.split_layout`; a caller's value splits
+    count as programs, the autotuner's are not known here), and whether the two launches run on two streams
+    (:func:`_concurrent`)."""
+    num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
+                                         plan.max_context_len, block_n, splits,
+                                         interpreted=C.is_interpreted(_prefix_attention_kernel))
+    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,
+                             plan.cand_tiles.shape[1] * num_heads)
+    return num_splits, split_len, concurrent
 
 
 def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, hist_work: int, cand_work: int) -> bool:

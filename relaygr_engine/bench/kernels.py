@@ -175,9 +175,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
-    from relaygr_engine.kernels._split import split_layout
-    from relaygr_engine.kernels.prefix_attention import (_concurrent, plan_prefix_attention, prefix_attention,
-                                                          reset_autotuning)
+    from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
+                                                          schedule)
 
     args, kw = problem(shape, device, dtype, contiguous=False)
     cargs, _ = problem(shape, device, dtype, contiguous=True)
@@ -194,10 +193,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
         concurrent_tiles=concurrent_tiles)
     used_m = plan.block_m
-    used_splits, split_keys = split_layout(device, plan.num_tiles * shape.heads * (value_splits or 1),
-                                           plan.max_context_len, None, splits)
-    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * shape.heads * used_splits,
-                             plan.cand_tiles.shape[1] * shape.heads)
+    used_splits, split_keys, concurrent = schedule(plan, device, shape.heads, splits=splits,
+                                                   value_splits=value_splits, concurrent_tiles=concurrent_tiles)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
