@@ -6,16 +6,17 @@
 #   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
 #
 # Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files), in the order
-# of what is least known (as of 2026-11-25: the even split shares and the two-stream launches were never timed):
-#   1. STEPS="env kernels-splits rank profile-graphs"   2. STEPS="tests-gpu"
+# of what is least known (as of 2026-11-25: the even split shares, the two-stream launches and the 16-bit split
+# partials were never timed):
+#   1. STEPS="env kernels-splits rank profile-graphs"   2. STEPS="tests-gpu kernels-split-dtype"
 #   3. STEPS="kernels-d256 kernels-vsplits-rank"        4. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
 #   5. STEPS="kernels-vsplits ncu ncu-kernel"           6. STEPS="rank-compile tiers sync"
 #   7+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call has 10 minutes)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-vsplits kernels-vsplits-rank
-# ptxas kernels-fp8 kernels-int8 sync
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
+# kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync
 # rank rank-compile profile profile-graphs ncu ncu-kernel
 # rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
@@ -43,7 +44,7 @@ fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-vsplits kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
@@ -75,6 +76,10 @@ step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/
 # and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)
 step kernels-splits 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
     --splits auto,7,11,15 --concurrent-tiles auto,no --json "${OUT_DIR}/kernels-splits.json"
+# The same layer's split partials in the model's dtype (bf16, the launcher's default: half the bytes the kernel writes
+# and the merge reads) beside fp32 (what every earlier run stored).
+step kernels-split-dtype 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \
+    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --split-dtype model,fp32 --json "${OUT_DIR}/kernels-split-dtype.json"
 # Head dim 256's value columns on one program or split over two (V_SPLITS; `auto` in the steps above lets the autotuner
 # pick): the long shapes, and the ranking layer with 128-row candidate tiles (8 warps, one program per SM) beside
 # 64-row ones (where the split's 4-warp config runs two programs per SM).

@@ -284,7 +284,8 @@ def prefix_attention_kernel(
     tile_user_ptr, tile_row_ptr,                      # [num_tiles] (int32): user and first segment row of a tile
     pos_bias_ptr, ts_bias_ptr, ts_cache_ptr, ts_q_ptr, ts_bounds_ptr,
     bias_table_ptr,                                   # TABLE: [rows, stride_tb] fp32 (kernels._bias_table)
-    ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D], [S, total_q, H, 2]
+    ws_ptr, ml_ptr,                                   # SPLIT: partial outputs [S, total_q, H, D] (fp32, fp16 or
+                                                      # bf16), softmax's running max and sum [S, total_q, H, 2] fp32
     num_heads, num_work, num_programs, num_splits, split_len, total_q,
     num_pos, num_ts_bounds, stride_ts_page, stride_tb,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -447,20 +448,20 @@ def prefix_attention_kernel(
                 acc, m_i, l_i = _attend(acc, m_i, l_i, s, v, bias, visible, scale, qk_scale, 0.0, HSTU, BIAS,
                                         True, DOT_PRECISION, False, FAST_SILU)
 
-        if HSTU:  # over N here, a split's partial too (merge_splits adds them up)
-            acc = acc * inv_norm
-        if SPLIT:  # partial state, merged by merge_splits (softmax: un-normalised, with its running max and sum)
-            ws_rows = (split * total_q + g_rows) * num_heads + head
-            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], acc,
+        # The tile's output, or a split's partial (merge_splits adds hstu's up and weighs softmax's by their running
+        # max and sum): hstu's over N, softmax's over its running sum (so that a 16-bit partial cannot overflow).
+        if HSTU:
+            out = acc * inv_norm
+        else:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if SPLIT:
+            ws_rows = ((split * total_q + q_start + rows) * num_heads + head).to(tl.int64)  # (< 2**31: launcher)
+            tl.store(ws_ptr + ws_rows[:, None] * HEAD_DIM + offs_v[None, :], out.to(ws_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & v_ok[None, :])
             if not HSTU:
                 if v_part == 0:  # (every value split holds the same m_i and l_i: the first stores them)
                     tl.store(ml_ptr + ws_rows * 2, m_i, mask=row_ok)
                     tl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=row_ok)
         else:
-            if HSTU:
-                out = acc
-            else:
-                out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             tl.store(out_ptr + g_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])

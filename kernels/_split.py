@@ -8,12 +8,16 @@ programs on 132 SMs, each streaming the whole prefix. With ``S`` splits, program
 writes its un-normalised partial state; the split holding the tile's last key also takes the candidates' self term.
 Every split so streams about ``L`` keys: the launch's longest program, which its time waits for, is as short as
 the split count allows (a split taking all the new history on top of its share of the prefix would be longer by
-all of it). The merge is exact up to fp32 rounding:
+all of it). The merge of fp32 partials is exact up to fp32 rounding:
 
-* hstu: the sum is pointwise, so ``out = sum_s acc_s`` (each split's partial already divided by ``N``: the merge
-  is one reduction);
-* softmax: ``M = max_s m_s``, ``w_s = 2 ** (m_s - M)``, ``out = sum_s w_s acc_s / sum_s w_s l_s`` (log2 domain, as
-  the kernel keeps its running max).
+* hstu: the sum is pointwise, so ``out = sum_s o_s`` (each split's partial ``o_s`` already divided by ``N``: the
+  merge is one reduction);
+* softmax: each split stores ``o_s = acc_s / l_s`` (its own normalised output, no larger than the largest value, so a
+  16-bit partial cannot overflow) with its running max ``m_s`` and sum ``l_s``: ``M = max_s m_s``,
+  ``w_s = 2 ** (m_s - M) l_s``, ``out = sum_s w_s o_s / sum_s w_s`` (log2 domain, as the kernel keeps its running
+  max).
+
+The partials are stored in the model's dtype when it is 16-bit (:func:`split_dtype`), else in fp32.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 from . import _common as C
 from ._prefix_config import SPLIT_ALIGN
 
-__all__ = ["pick_splits", "split_layout", "merge_splits", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
+__all__ = ["pick_splits", "split_layout", "merge_splits", "split_dtype", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
 
 MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 32
@@ -63,24 +67,46 @@ def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Op
     return num_splits, split_len
 
 
-def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> torch.Tensor:
-    """Merge the kernel's partial states.
+def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Merge the kernel's partial states into ``out``, accumulating in fp32.
 
     Parameters
     ----------
-    ws : float32 Tensor [S, total_q, H, D]
-        Each split's partial sum: hstu's divided by ``N``, softmax's un-normalised.
+    ws : Tensor [S, total_q, H, D]
+        Each split's partial output (fp32, or 16-bit: :func:`split_dtype`): hstu's sum divided by ``N``, softmax's
+        divided by its own running sum.
     ml : float32 Tensor [S, total_q, H, 2], or None
         softmax: each split's running max (log2 domain) and running sum; None in hstu mode.
+    out : Tensor [total_q, H, D]
+        Written (any float dtype and strides).
 
     Returns
     -------
-    float32 Tensor [total_q, H, D]
+    ``out``
     """
     if ml is None:
-        return ws.sum(0)
+        if ws.dtype == out.dtype:  # one reduction straight into the output (torch accumulates 16-bit sums in fp32)
+            return torch.sum(ws, 0, out=out)
+        return out.copy_(ws.sum(0, dtype=torch.float32))
     m, l = ml[..., 0], ml[..., 1]
-    w = torch.exp2(m - m.amax(0))                        # [S, total_q, H]
-    den = (w * l).sum(0)
-    num = (w.unsqueeze(-1) * ws).sum(0)
-    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+    w = torch.exp2(m - m.amax(0)) * l                # [S, total_q, H]: each split's share of the sum
+    den = w.sum(0)
+    num = (w.unsqueeze(-1) * ws).sum(0)                  # (fp32: ws is widened)
+    return out.copy_(num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1))
+
+
+def split_dtype(dtype: Optional[torch.dtype], model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the split partials are stored in: ``dtype`` when given (fp32, fp16 or bf16; no bf16 in the CPU
+    interpreter), else the model's when it is 16-bit (half the bytes of fp32: the partials are the largest buffer a
+    split launch writes, and the merge reads, e.g. 16 splits x 384 rows x 4 heads x 256 values a layer at NVIDIA's
+    ranking shape: 12.6 MB instead of 25) and fp32 for an fp32 model (its results stay exact to fp32 rounding).
+    Either way a split accumulates in fp32 and the merge adds up in fp32: a 16-bit partial adds one rounding of
+    the model's precision to each split's share."""
+    if dtype is None:
+        return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float32
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"split_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        raise ValueError("split_dtype=torch.bfloat16 cannot run in the CPU interpreter (numpy has no bf16); use "
+                         "torch.float16 or torch.float32")
+    return dtype

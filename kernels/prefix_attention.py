@@ -43,7 +43,7 @@ from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, Kern
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._prefix_plan import PrefixAttentionPlan, _check_block, _plan, plan_prefix_attention
-from ._split import merge_splits, split_layout
+from ._split import merge_splits, split_dtype as pick_split_dtype, split_layout
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config", "reset_autotuning"]
@@ -103,7 +103,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      plan: Optional[PrefixAttentionPlan] = None, splits: Optional[int] = None,
                      kv_dtype="model", bias_table_bytes: Optional[int] = None,
                      page_reads="auto", value_splits: Optional[int] = None,
-                     concurrent_tiles: Optional[bool] = None) -> torch.Tensor:
+                     concurrent_tiles: Optional[bool] = None,
+                     split_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -187,6 +188,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         has fewer programs than the GPU has SMs (e.g. a ranking's one history tile per head against a long
         prefix): the candidate tiles' programs then run on the SMs the history launch leaves idle instead of after
         it. Inside a CUDA graph the two launches are two branches.
+    split_dtype : torch.dtype, optional
+        With split-prefix scheduling, the dtype each split's partial output is stored in between the kernel and the
+        merge (a split accumulates in fp32, the merge adds up in fp32; softmax's running max and sum stay fp32).
+        Default: the model's dtype when it is 16-bit, so the partials, the largest buffer a split launch writes
+        and the merge reads, take half the bytes of fp32; fp32 for an fp32 model
+        (:func:`~relaygr_engine.kernels._split.split_dtype`). ``torch.float32`` keeps a 16-bit model's partials at
+        fp32.
 
     Returns
     -------
@@ -240,6 +248,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"concurrent_tiles=True needs a CUDA device (streams), got {device}")
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
+    ws_dtype = pick_split_dtype(split_dtype, q.dtype, device)
     reads = parse_choice(PageReads, page_reads, "page_reads")
     if plan is not None:
         if not isinstance(plan, PrefixAttentionPlan):
@@ -277,9 +286,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     num_splits, split_len, concurrent = schedule(plan, device, num_heads, block_n=cfg.block_n, splits=splits,
                                                  value_splits=value_splits, concurrent_tiles=concurrent_tiles)
     assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
+    if num_splits > 1 and num_splits * total_q * num_heads >= 2 ** 31:  # (the kernel's partial rows are int32)
+        raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
+                         f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
+                         f"fewer splits")
     ws = ml = q  # stand-ins without SPLIT (never written)
     if num_splits > 1:
-        ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=device)
+        ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
         ml = ws if hstu else torch.empty((num_splits, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits = _ts_bits(ts_bias.numel()) if has_ts else 1
@@ -344,7 +357,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                         programs, num_splits, split_len, total_q, *shape, BLOCK_M=rows,
                                         CAND_TILES=cand, HIST_TABLE=hist_table and not cand, **meta, **extra)
     if num_splits > 1:
-        out.copy_(merge_splits(ws, None if hstu else ml))
+        merge_splits(ws, None if hstu else ml, out)
     return out
 
 

@@ -97,6 +97,31 @@ def test_bench_kernels_concurrent_tiles_choices(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+@needs_interpreter
+def test_bench_kernels_split_dtype_choices(tmp_path, capsys):
+    """``--split-dtype model,fp16``: each shape once per value, each split row naming the partials' dtype that ran
+    (model: fp32 in the interpreter), a geomean per dtype; an unsplit row names none; bf16 in the interpreter and
+    an unknown name are usage errors."""
+    from relaygr_engine.bench import kernels as bench
+
+    path = tmp_path / "k.json"
+    shape = ["--modes", "hstu", "--shape", "B=1,P=100,n=3,C=5,H=1,D=32,page=16"]
+    assert bench.main(shape + ["--splits", "2", "--split-dtype", "model,fp16", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["split_dtype"] for r in rows] == ["fp32", "fp16"] and all(r["max_abs_err"] <= 2e-3 for r in rows)
+    assert "geomean_ms_sd_fp16=" in out[-1] and "geomean_ms_sd_fp32=" in out[-1]
+    assert any(" fp16 " in line for line in out)
+    assert bench.main(shape + ["--splits", "1", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["rows"][0]["split_dtype"] is None
+    capsys.readouterr()
+    for bad, msg in ((["--split-dtype", "bf16"], "--split-dtype bf16 cannot run in the CPU interpreter"),
+                     (["--split-dtype", "fp8"], "--split-dtype must be 'model', 'fp32', 'fp16', 'bf16'")):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+        assert msg in capsys.readouterr().err
+
+
 def test_device_seconds_on_the_cpu_is_the_median_wall_time():
     calls = []
     t = device_seconds(lambda: calls.append(1), torch.device("cpu"), warmup=2, iters=5)
@@ -149,6 +174,8 @@ def test_run_gpu_sh_kernel_steps_parse(tmp_path, monkeypatch):
             bench.main(argv)
         if "--concurrent-tiles" in argv:  # kernels-splits: the ranking layer, its first split count, both ways
             assert got.value.args[0]["splits"] is None and got.value.args[0]["concurrent_tiles"] is None
+        if "--split-dtype" in argv:  # kernels-split-dtype: the launcher's partials first
+            assert got.value.args[0]["split_dtype"] is None
 
 
 def test_profile_rank_counts_overlapping_kernels_once():

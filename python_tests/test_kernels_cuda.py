@@ -90,7 +90,8 @@ def test_page_reads_tma_before_sm90_is_refused():
 @pytest.mark.parametrize("mode", ["softmax", "hstu"])
 def test_prefix_attention_split_prefix_bf16_cuda(mode):
     """A ranking's shape (one user, few rows, long prefix): the automatic split choice splits, and forced splits
-    agree with the reference."""
+    agree with the reference, their partials in bf16 (the default for a bf16 model) and in fp32; bf16 partials add
+    at most about one bf16 rounding of the output to the fp32 partials' result."""
     from relaygr_engine.kernels._split import pick_splits
 
     users = [(4000, 64, 256)]
@@ -102,6 +103,9 @@ def test_prefix_attention_split_prefix_bf16_cuda(mode):
     for splits in (None, 3):
         out = prefix_attention(**args, **kw, splits=splits)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        wide = prefix_attention(**args, **kw, splits=splits, split_dtype=torch.float32)
+        torch.testing.assert_close(wide.float(), ref, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out.float(), wide.float(), atol=2 ** -6 * float(wide.float().abs().max()), rtol=0)
 
 
 @gpu

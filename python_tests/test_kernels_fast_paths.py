@@ -1,7 +1,7 @@
 """CUDA's fast paths of the prefix-attention kernel, checked exact in Triton's interpreter: HSTU's SiLU through a
 tanh (``FAST_SILU``, with its PTX tanh swapped for an exact one), full key blocks read through a tensor descriptor
-(``page_reads="tma"``), and the two kinds of tile launched on two streams (``concurrent_tiles``, its order of
-launches and joins)."""
+(``page_reads="tma"``), the two kinds of tile launched on two streams (``concurrent_tiles``, its order of
+launches and joins), and split partials stored in 16 bits (``split_dtype``, a 16-bit model's default)."""
 from __future__ import annotations
 
 import contextlib
@@ -219,9 +219,9 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
         yield on
         events.append("join")
 
-    def merge(ws, ml):
+    def merge(ws, ml, out):
         events.append("merge")
-        return real_merge(ws, ml)
+        return real_merge(ws, ml, out)
     real_merge = pa.merge_splits
     monkeypatch.setattr(C, "tile_streams", streams)
     monkeypatch.setattr(pa, "merge_splits", merge)
@@ -268,3 +268,47 @@ def test_concurrent_tiles_refuses_what_cannot_run():
     torch.testing.assert_close(prefix_attention(**args, **kw, concurrent_tiles=False), ref, atol=0, rtol=0)
     with C.tile_streams(torch.device("cpu"), True) as on, on(side=True):
         pass  # no streams off CUDA: a no-op context
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_split_partials_in_16_bits_match_the_reference(mode):
+    """``split_dtype``: a 16-bit model's partials are stored in its dtype (here fp16 partials of an fp32 problem: the
+    interpreter has no bf16), each split's share rounded once and merged in fp32: within fp16 rounding of the
+    reference, and not bit-equal to the fp32 partials (the 16-bit store ran). An fp32 model's default is fp32
+    partials (exact to 1e-4, bit-equal to asking for them). Softmax stores each split's normalised output, so values
+    whose un-normalised sums would pass fp16's largest (65504) stay finite."""
+    users = [(150, 7, 20), (3, 2, 4), (0, 5, 3), (97, 0, 9)]
+    args, bias = make_problem(users, 16, 2, 32, seed=3)
+    kw = attention_kwargs(mode, bias, 32)
+    fixed = dict(persistent=False, block_m=16, block_n=16, splits=3)
+    exact = check_attention(args, kw, **fixed)
+    torch.testing.assert_close(check_attention(args, kw, **fixed, split_dtype=torch.float32), exact, atol=0, rtol=0)
+    half = check_attention(args, kw, **fixed, split_dtype=torch.float16, atol=2e-3)
+    assert not torch.equal(half, exact)
+    if mode == "softmax":  # positive values up to 3e4: a split's un-normalised sum of ~50 of them would overflow
+        grow = lambda x: x.abs().clamp(max=3.0) * 1e4  # noqa: E731
+        big = dict(args, v=grow(args["v"]), kv_cache=args["kv_cache"].clone())
+        big["kv_cache"][:, 1] = grow(big["kv_cache"][:, 1])
+        check_attention(big, kw, **fixed, split_dtype=torch.float16, atol=3e4 * 2e-3)
+
+
+@needs_interpreter
+def test_split_dtype_refuses_what_cannot_run(monkeypatch):
+    """Named, with what it takes, before any launch: a dtype other than fp32/fp16/bf16, bf16 in the CPU
+    interpreter, and more rows of split partials than the kernel's int32 row index reaches."""
+    from relaygr_engine.kernels import prefix_attention as pa
+
+    args, _ = make_problem([(40, 2, 3)], 16, 2, 32)
+    kw = dict(mode="softmax", scale=0.1, splits=2)
+    for bad in (torch.float64, torch.int8, "float16"):
+        with pytest.raises(ValueError, match=rf"split_dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                                             rf"got {bad!r}"):
+            prefix_attention(**args, **kw, split_dtype=bad)
+    with pytest.raises(ValueError, match=r"split_dtype=torch.bfloat16 cannot run in the CPU interpreter \(numpy has "
+                                         r"no bf16\)"):
+        prefix_attention(**args, **kw, split_dtype=torch.bfloat16)
+    rows = args["q"].shape[0]
+    monkeypatch.setattr(pa, "schedule", lambda plan, *a, **k: (2 ** 31 // (2 * rows) + 1, 64, False))
+    with pytest.raises(ValueError, match=r"rows of split partials, at most 2\*\*31 - 1: ask for fewer splits"):
+        prefix_attention(**args, **kw)

@@ -11,10 +11,10 @@ __all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
-        "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head over "
-        "the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: history and "
-        "candidate tiles launched on two streams at once (y) or one after the other (n). On CUDA every "
-        "time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
+        "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
+        "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
+        "partials' dtype. On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -26,17 +26,19 @@ def _geo(xs: list) -> Optional[float]:
 
 
 def header(cuda: bool) -> str:
-    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'cc':>2} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8} "
-            f"{'vs_gath':>8} {'vs_recomp':>9} {'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
+    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'cc':>2} {'SD':>4} {'ms':>8} {'TFLOP/s':>8} "
+            f"{'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} {'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
     return head + (f" {'%matmul':>8} {'vs_flashinfer':>13}" if cuda else "")
 
 
 def row_line(r: dict) -> str:
     """One shape's line of the table (``%matmul`` and FlashInfer where the row has them: CUDA runs; ``keys/S``, the
-    keys each split takes, and ``cc``, whether the two kinds of tile ran concurrently, where the row has them)."""
+    keys each split takes, ``cc``, whether the two kinds of tile ran concurrently, and ``SD``, the split partials'
+    dtype, where the row has them)."""
     v = r.get("value_splits")
     line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
             f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
+            f"{r.get('split_dtype') or '-':>4} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
             f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -81,6 +83,10 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     if len(concurrent) > 1:  # two streams vs one, over the same shapes and split counts
         for c in sorted(concurrent):
             summary[f"geomean_ms_cc{'yn'[not c]}"] = _geo([r["time_ms"] for r in rows if r.get("concurrent") == c])
+    split_dtypes = {r["split_dtype"] for r in rows if r.get("split_dtype")}
+    if len(split_dtypes) > 1:  # the split partials in 16 bits vs fp32, over the same shapes
+        for sd in sorted(split_dtypes):
+            summary[f"geomean_ms_sd_{sd}"] = _geo([r["time_ms"] for r in rows if r.get("split_dtype") == sd])
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate

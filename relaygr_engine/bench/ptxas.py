@@ -125,13 +125,15 @@ def torch_dtype(dtype: str):
 
 
 def attention_types(pointer: str) -> dict:
-    """Argument types of ``_prefix_attention_kernel`` with floating tensors of type ``pointer`` (e.g. ``"*bf16"``)."""
+    """Argument types of ``_prefix_attention_kernel`` with floating tensors of type ``pointer`` (e.g. ``"*bf16"``);
+    split partials in that type too (the launcher's default, :func:`~relaygr_engine.kernels._split.split_dtype`: a
+    16-bit model's dtype; fp32 for fp32)."""
     types = {n: pointer for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_ptr")}
     types["kvs_ptr"] = "*fp32"
     types.update({n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                       "tile_user_ptr", "tile_row_ptr")})
     types.update(pos_bias_ptr=pointer, ts_bias_ptr=pointer, ts_cache_ptr="*i64", ts_q_ptr="*i64",  # a model's params
-                 ts_bounds_ptr="*i64", bias_table_ptr="*fp32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32",
+                 ts_bounds_ptr="*i64", bias_table_ptr="*fp32", ws_ptr=pointer, ml_ptr="*fp32", scale="fp32",
                  inv_norm="fp32")
     return types
 
