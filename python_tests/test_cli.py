@@ -80,3 +80,16 @@ def test_bench_rank_graph_speedup_compares_both_graphed():
     assert r == {"graph_cached_ms_L4096_C256": 2.18, "graph_recompute_ms_L4096_C256": 7.67,
                  "graph_speedup_L4096_C256": 3.52, "graph_speedup_vs_dense_L4096_C256": 6.01,
                  "graph_gain_L4096_C256": 4.38}
+
+
+def test_bench_rank_back_to_back_calls_each_once_and_averages(monkeypatch):
+    """``graph_cached_b2b_ms``'s timer: ``n`` calls one after the other, the time per call (a fake clock that each
+    call moves by 5 ms)."""
+    import torch
+
+    from relaygr_engine.bench import rank
+
+    clock = [100.0]
+    monkeypatch.setattr(rank.time, "perf_counter", lambda: clock[0])
+    assert rank.back_to_back_ms(lambda: clock.__setitem__(0, clock[0] + 0.005), torch.device("cpu"), 4) == \
+        pytest.approx(5.0)
