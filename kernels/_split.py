@@ -5,7 +5,7 @@ A ranking computes few query rows (new history tokens and candidates) against a 
 per ``BLOCK_M``-row tile and head can leave most of a GPU idle: 384 rows x 4 heads at ``BLOCK_M = 64`` are 24
 programs on 132 SMs, each streaming the whole prefix. With ``S`` splits, program ``s`` of a tile streams keys
 ``[s * L, (s + 1) * L)`` of the tile's keys in order, the cached prefix then the new history rows it sees, and
-writes its un-normalised partial state; the split holding the tile's last key also takes the candidates' self term.
+writes its partial state (below); the split holding the tile's last key also takes the candidates' self term.
 Every split so streams about ``L`` keys: the launch's longest program, which its time waits for, is as short as
 the split count allows (a split taking all the new history on top of its share of the prefix would be longer by
 all of it). The merge of fp32 partials is exact up to fp32 rounding:
