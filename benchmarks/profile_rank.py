@@ -2,7 +2,9 @@
 
 8 layers, 4 heads x 256, bf16, a 4096-token history of which 3968 are cached, 256 candidates: prints the device
 kernels by total CUDA time, the host-side aten ops by CPU time (torch.profiler), and the engine's Python functions
-by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. With ``--cuda-profiler-window`` it runs
+by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. With ``--interleave`` it also times and
+profiles each ranking after a dense full inference and a miss (as ``relaygr bench rank`` interleaves its paths), its
+GPU busy time counted within the ranking's own call. With ``--cuda-profiler-window`` it runs
 one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else, for Nsight Compute to measure just
 that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times before):
 
@@ -33,12 +35,48 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
     return busy
 
 
+def within(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The ``(start, end)`` spans that lie inside one of the ``windows`` (a call's host span, which waits for its
+    own GPU work: the kernels it launched)."""
+    return [(a, b) for a, b in spans if any(lo <= a and b <= hi for lo, hi in windows)]
+
+
+def interleaved(rank, other, calls: int) -> None:
+    """Each of ``calls`` rankings timed and profiled alone after ``other()`` (other paths' work, as bench rank
+    interleaves them): the median time per ranking and the GPU busy time within its calls."""
+    times = []
+    for _ in range(calls):
+        other()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rank()
+        times.append((time.perf_counter() - t0) * 1e3)
+    print(f"per ranking after a full inference and a miss: median {sorted(times)[len(times) // 2]:.2f} ms "
+          f"(min {min(times):.2f}, max {max(times):.2f})")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            other()
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("relaygr.ranking"):
+                rank()
+    events = prof.events()
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "relaygr.ranking"]
+    spans = within([(e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA], windows)
+    print(f"GPU busy within those rankings: {busy_us(spans) / calls:.1f} us per ranking, "
+          f"{sum(b - a for a, b in windows) / calls:.1f} us of host span")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="rank through CUDA graphs (RelayEngine(cuda_graphs=True)), as bench rank's graph_cached_ms: "
                          "the profile then shows the host work around each replay")
+    ap.add_argument("--interleave", action="store_true",
+                    help="also time and profile each ranking after a dense full inference and a miss, as bench rank "
+                         "interleaves them (it measured 2.18 ms where back to back took 1.18 ms, run 3)")
     ap.add_argument("--cuda-profiler-window", action="store_true",
                     help="run one warmed-up ranking inside cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     args = ap.parse_args()
@@ -82,6 +120,9 @@ def main() -> None:
           f"{total / args.calls:.1f} us summed over them ({(total - busy) / args.calls:.1f} us overlapped: launches "
           f"on two streams at once)")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if args.interleave:
+        interleaved(rank, lambda: (model.rank_full(hist, cands), engine.rank_with_prefix(1000, hist, cands)),
+                    args.calls)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(args.calls):

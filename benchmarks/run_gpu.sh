@@ -99,7 +99,7 @@ step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \
     --json "${OUT_DIR}/rank-compile.json"
 step profile 300 $PY benchmarks/profile_rank.py
-step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs
+step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs --interleave
 # What bounds the engine's kernels in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
 # sections for each launch of the prefix kernel (16: history and candidate tiles of 8 layers), the bias table (8)
 # and the split merge's reduction (8), in one ranking after warm-up, with why warps wait (WarpStateStats: stall

@@ -190,3 +190,6 @@ def test_profile_rank_counts_overlapping_kernels_once():
     spec.loader.exec_module(module)
     assert module.busy_us([(20, 25), (0, 10), (5, 15), (21, 22), (15, 16)]) == 21.0
     assert module.busy_us([]) == 0.0 and module.busy_us([(3, 3)]) == 0.0
+    # --interleave: only the kernels inside a ranking's own call count (not the full inference's or the miss's)
+    spans = [(1, 4), (5, 9), (12, 14), (13, 21), (30, 31)]
+    assert module.within(spans, [(0, 10), (12, 20), (30, 31)]) == [(1, 4), (5, 9), (12, 14), (30, 31)]
