@@ -59,14 +59,36 @@ def _rel_bias(q_pos, k_pos, t_q, t_k, pos_bias_ptr, ts_bias_ptr, ts_bounds_ptr, 
     given: ``[BLOCK_M, BLOCK_N]`` for a history tile, a vector of keys for one query position and time (the
     bias table), a scalar for a candidate's own key.
     Every index is clamped into its table, so no load needs a mask."""
+    p, b = _rel_index(q_pos, k_pos, t_q, t_k, ts_bounds_ptr, num_pos, num_ts_bounds, HAS_POS, HAS_TS, TS_BITS,
+                      TS_STEPS, TS_TABLE, TS_ABS)
+    return _gather_bias(p, b, pos_bias_ptr, ts_bias_ptr, HAS_POS, HAS_TS)
+
+
+@triton.jit
+def _rel_index(q_pos, k_pos, t_q, t_k, ts_bounds_ptr, num_pos, num_ts_bounds, HAS_POS: tl.constexpr,
+               HAS_TS: tl.constexpr, TS_BITS: tl.constexpr, TS_STEPS: tl.constexpr, TS_TABLE: tl.constexpr,
+               TS_ABS: tl.constexpr):
+    """The entries :func:`_rel_bias` reads: ``(clamp(q_pos - k_pos, 0, NP - 1), bucket(t_q - t_k))`` (0 for a
+    term that is off). They depend on positions and times only, not on a layer's tables."""
+    p = 0
+    b = 0
     if HAS_TS:
         if TS_TABLE:
-            bucket = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
+            b = _table_bucket(t_q - t_k, ts_bounds_ptr, num_ts_bounds, TS_ABS, TS_STEPS)
         else:
-            bucket = _log2_bucket(t_q - t_k, TS_BITS)
-        b = tl.load(ts_bias_ptr + bucket).to(tl.float32)
+            b = _log2_bucket(t_q - t_k, TS_BITS)
+    if HAS_POS:
+        p = tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1)
+    return p, b
+
+
+@triton.jit
+def _gather_bias(p, b, pos_bias_ptr, ts_bias_ptr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """``pos_bias[p] + ts_bias[b]`` in fp32, the terms that are on (:func:`_rel_index`'s entries)."""
+    if HAS_TS:
+        bias = tl.load(ts_bias_ptr + b).to(tl.float32)
         if HAS_POS:  # (started from the first term: 0.0 + x is an add the compiler must keep, for x = -0.0)
-            b += tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1)).to(tl.float32)
+            bias += tl.load(pos_bias_ptr + p).to(tl.float32)
     else:
-        b = tl.load(pos_bias_ptr + tl.minimum(tl.maximum(q_pos - k_pos, 0), num_pos - 1)).to(tl.float32)
-    return b
+        bias = tl.load(pos_bias_ptr + p).to(tl.float32)
+    return bias

@@ -2,7 +2,8 @@
 batch's layout checked and cut into history and candidate tiles once on the host, reused by every layer's call."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -42,6 +43,12 @@ class PrefixAttentionPlan:
         (what split-prefix scheduling divides).
     num_cached : int
         Cached tokens over all users.
+    bias_index : dict or None
+        Where the batch's HSTU bias index is kept between calls (:func:`~relaygr_engine.kernels._bias_table.
+        bias_table`): the first layer's call with biases stores each table entry's position index and time bucket,
+        and the later layers' calls, given the same timestamp tensors (the same objects), build their tables from
+        it with two gathers per entry. Timestamps changed in place between calls that share a plan are not seen:
+        a batch's plan serves that batch. None: every call computes its table from the timestamps.
     """
 
     block_m: int
@@ -55,6 +62,7 @@ class PrefixAttentionPlan:
     max_key_len: int
     num_cached: int
     max_context_len: int = 0
+    bias_index: Optional[dict] = field(default=None, compare=False, repr=False)
 
     @property
     def num_tiles(self) -> int:
@@ -81,7 +89,7 @@ def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device
     tiles = ship(list(C.tile_table(rows, table.num_candidates, (hist_m, cfg.block_m))), device)  # never waits
     return PrefixAttentionPlan(cfg.block_m, hist_m, b, table.cu_seqlens_q[-1], page_size, num_pages,
                                tiles[0], tiles[1],
-                               max_key_len, int(prefix.sum()), int(context.max()) if b else 0)
+                               max_key_len, int(prefix.sum()), int(context.max()) if b else 0, {})
 
 
 def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, kv_last_page_len, *, kv_cache,

@@ -17,7 +17,9 @@ hstu     ``sum_j SiLU(alpha * q.k_j + rab_ij) v_j / N``: pointwise, so no runnin
          is computed once per layer into a bias table (:mod:`relaygr_engine.kernels._bias_table`): one row per
          user serves all its candidates (they share a position and a time), one row per history row within
          :data:`~relaygr_engine.kernels._bias_table.HIST_BIAS_TABLE_BYTES` (32 MiB); above that budget history
-         tiles compute it per (row, key) in the kernel. No ``[candidates, keys]`` bias is ever made.
+         tiles compute it per (row, key) in the kernel. No ``[candidates, keys]`` bias is ever made. With a plan
+         (one per batch), the table's position indices and time buckets, which no layer changes, are kept in it by
+         the first layer's call: the later layers' tables are two gathers per entry.
 
 Positions: prefix token ``j`` -> ``j``; new history token ``i`` -> ``P + i``; every candidate -> ``P + n`` (the
 history length). So key ``j`` of the concatenated sequence [prefix | new history] has position ``j``, and row ``r``
@@ -279,6 +281,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"page_reads='tma' reads every value column of a key block: value_splits must be 1, got "
                          f"{value_splits}")
     tma_reads, kv_desc = pick_page_reads(reads, kv_cache, kv_dtype=kd, page_size=page_size, block_n=cfg.block_n)
+    planned = plan is not None  # (a caller's plan serves several calls: its bias index is worth keeping)
     if plan is None:
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
@@ -301,7 +304,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     ts_steps = ts_bounds.numel().bit_length() if ts_table else 0  # the table search's steps
     dummy = q  # stands in for absent optional pointers (never read: their flags are off)
     # HSTU's bias once per layer (kernels._bias_table): a row per user for the candidate tiles and, within the
-    # budget, a row per history tile row; history tiles without rows compute theirs in the kernel.
+    # budget, a row per history tile row; history tiles without rows compute theirs in the kernel. With a plan
+    # given, its bias index (positions and time buckets, which no layer changes) is built once for all layers.
     table, user_rows, hist_table = None, 0, False
     fast_silu = hstu and _fast_silu(device, q.dtype)
     if hstu and (has_pos or has_ts):
@@ -315,7 +319,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
             (ts_cache if has_ts and ts_cache is not None else ts_q if has_ts else dummy,
              ts_q if has_ts else dummy, ts_bounds if ts_table else dummy),
             page_size=page_size, ts_bits=ts_bits, ts_steps=ts_steps, ts_table=ts_table,
-            ts_abs=ts_table and ts_fn.absolute, device=device, scale=0.5 if fast_silu else 1.0)
+            ts_abs=ts_table and ts_fn.absolute, device=device, scale=0.5 if fast_silu else 1.0,
+            index=plan.bias_index if planned else None, index_key=(ts_fn if has_ts else None,),
+            index_tensors=tuple(t for t in (ts_cache, ts_q) if has_ts and t is not None))
     # 8-bit pages: the values through a view of their dtype, the scales through an fp32 view of the same bytes.
     pages = kv_cache.view(quant.value_dtype(kd)) if kd.quantized else kv_cache
     scales = kv_cache.view(-1).view(torch.float32) if kd.quantized else q

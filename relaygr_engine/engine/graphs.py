@@ -287,7 +287,7 @@ class GraphRunner:
         R, S = len(batch), key.users + 1
         plan = PrefixAttentionPlan(b.block_m[1], b.block_m[0], S, R, self.state.page_size, cache.kv[0].shape[0],
                                    v("hist_tiles"), v("cand_tiles"), key.prefix + R, key.prefix,
-                                   key.prefix + key.history_rows)
+                                   key.prefix + key.history_rows, {})
         paged = PagedState(cache.kv, v("kv_indptr"), v("kv_indices"), v("kv_last"),
                            cache.timestamps if key.timed else None, AttentionBackend.TRITON, kv_flat=cache.kv_flat,
                            plan=plan, kv_dtype=cache.kv_dtype, compute_dtype=cache.dtype)
