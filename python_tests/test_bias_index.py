@@ -78,3 +78,21 @@ def test_the_bias_index_needs_no_timestamps_for_position_only_bias(monkeypatch):
         out = prefix_attention(**args, **kw, plan=plan)
         torch.testing.assert_close(out, prefix_attention_ref(**args, **kw), atol=ATOL, rtol=0)
     assert modes == [1, 2]
+
+
+@needs_interpreter
+def test_an_engine_forward_builds_the_index_once_for_all_its_layers(monkeypatch):
+    """Through the engine (Triton backend, CPU interpreter): each forward's first layer builds the index, the
+    second reads it (the layers pass the batch's own timestamp tensors), and a new forward builds its own; the
+    scores stay exact."""
+    from engine_helpers import assert_exact, candidates, history, make_engine, make_model
+
+    modes = _spy_modes(monkeypatch)
+    model = make_model("hstu")
+    engine = make_engine(model, cache=dict(attention_backend="triton"))
+    h, cands = history(27, seed=3), candidates(5)
+    engine.prefill_prefix(1, h.prefix(12))
+    modes.clear()
+    assert_exact(engine.rank_with_prefix(1, h, cands), model, h, cands)
+    assert_exact(engine.rank_with_prefix(2, h, cands), model, h, cands)  # a miss: another forward
+    assert modes == [1, 2, 1, 2]  # two layers each
