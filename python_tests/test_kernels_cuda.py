@@ -184,9 +184,10 @@ def test_several_programs_per_sm_configs_at_head_dim_64_bf16_cuda(mode, monkeypa
 @needs_cuda
 def test_new_batch_shapes_compile_no_new_kernel_binary():
     """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
-    the attention kernel and of the bias-table kernel."""
+    the attention kernel and of the bias-table kernel (with a plan, two layers: the bias index built, then read)."""
     from relaygr_engine.kernels._bias_table import bias_table_kernel
     from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
+    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention
 
     def binaries():
         return [sum(len(c[0]) for c in k.device_caches.values()) for k in (kernel, bias_table_kernel)]
@@ -195,6 +196,11 @@ def test_new_batch_shapes_compile_no_new_kernel_binary():
         args, bias = make_problem(users, 64, 4, 128, device="cuda", dtype=torch.bfloat16, seed=i)
         kw = attention_kwargs("hstu", bias, 128)
         prefix_attention(**args, **kw, splits=3)
+        plan = plan_prefix_attention(**{n: args[n] for n in ("cu_seqlens_q", "num_candidates", "kv_indptr",
+                                                             "kv_indices", "kv_last_page_len")},
+                                     kv_cache=args["kv_cache"])
+        for _ in range(2):
+            prefix_attention(**args, **kw, splits=3, plan=plan)
         if i == 0:
             first = binaries()
     assert binaries() == first

@@ -46,13 +46,15 @@ assert 0 < regs <= 255 and spill_st >= 0 and spill_ld >= 0
 check(compile_kernel(kv_write._kv_write_kernel, dict(kv_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", slot_ptr="*i64",
                                                       ts_ptr="*i64", ts_cache_ptr="*i64"),
                      dict(PAGE_SIZE=64, BLOCK_T=16, BLOCK_C=256, HAS_TS=True)), "kv_write")
-check(compile_kernel(_bias_table.bias_table_kernel,
-                     dict(out_ptr="*fp32", scale="fp32", pos_bias_ptr="*fp32", ts_bias_ptr="*fp32", ts_cache_ptr="*i64",
-                          ts_q_ptr="*i64", ts_bounds_ptr="*i64", **{n: "*i32" for n in (
-                              "kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
-                              "tile_user_ptr", "tile_row_ptr")}),
-                     dict(PAGE_SIZE=64, BLOCK=256, BLOCK_M=64, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
-                          TS_TABLE=False, TS_ABS=False)), "bias_table")
+for index in (0, 1, 2):  # computed; computed with the batch's index stored; from the index
+    check(compile_kernel(_bias_table.bias_table_kernel,
+                         dict(out_ptr="*fp32", idx_ptr="*i32", scale="fp32", pos_bias_ptr="*fp32",
+                              ts_bias_ptr="*fp32", ts_cache_ptr="*i64", ts_q_ptr="*i64", ts_bounds_ptr="*i64",
+                              **{n: "*i32" for n in ("kv_indptr_ptr", "kv_indices_ptr", "kv_last_ptr", "cu_q_ptr",
+                                                     "num_cand_ptr", "tile_user_ptr", "tile_row_ptr")}),
+                         dict(PAGE_SIZE=64, BLOCK=256, BLOCK_M=64, HAS_POS=True, HAS_TS=True, TS_BITS=31, TS_STEPS=0,
+                              TS_TABLE=False, TS_ABS=False, INDEX=index, BUCKET_BITS=5 if index else 1)),
+          f"bias_table INDEX={index}")
 for pack in (True, False):
     check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
                          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
