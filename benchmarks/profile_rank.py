@@ -22,7 +22,7 @@ import time
 import torch
 
 import relaygr_engine as rg
-from relaygr_engine.bench.common import synthetic_history
+from relaygr_engine.bench.common import percentile, synthetic_history
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -51,7 +51,7 @@ def interleaved(rank, other, calls: int) -> None:
         t0 = time.perf_counter()
         rank()
         times.append((time.perf_counter() - t0) * 1e3)
-    print(f"per ranking after a full inference and a miss: median {sorted(times)[len(times) // 2]:.2f} ms "
+    print(f"per ranking after a full inference and a miss: median {percentile(times, 50):.2f} ms "
           f"(min {min(times):.2f}, max {max(times):.2f})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
