@@ -71,22 +71,12 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
             summary[f"geomean_speedup_vs_sdpa_bm{bm}"] = _geo(
                 [r["speedup_vs_gathered"] for r in rows if r["block_m"] == bm and r["mode"] == "softmax"])
             summary[f"geomean_ms_bm{bm}"] = _geo([r["time_ms"] for r in rows if r["block_m"] == bm])
-    splits = sorted({r["splits"] for r in rows if r.get("splits") is not None})
-    if len(splits) > 1:  # one geomean per split count, to compare them in one run
-        for n in splits:
-            summary[f"geomean_ms_s{n}"] = _geo([r["time_ms"] for r in rows if r.get("splits") == n])
-    v_splits = {r.get("value_splits") for r in rows}
-    if len(v_splits) > 1:  # one geomean per value split (auto: the autotuner's choice), to compare them in one run
-        for n in sorted(v_splits, key=lambda v: v or 0):
-            summary[f"geomean_ms_v{n or 'auto'}"] = _geo([r["time_ms"] for r in rows if r.get("value_splits") == n])
-    concurrent = {r["concurrent"] for r in rows if "concurrent" in r}
-    if len(concurrent) > 1:  # two streams vs one, over the same shapes and split counts
-        for c in sorted(concurrent):
-            summary[f"geomean_ms_cc{'yn'[not c]}"] = _geo([r["time_ms"] for r in rows if r.get("concurrent") == c])
-    split_dtypes = {r["split_dtype"] for r in rows if r.get("split_dtype")}
-    if len(split_dtypes) > 1:  # the split partials in 16 bits vs fp32, over the same shapes
-        for sd in sorted(split_dtypes):
-            summary[f"geomean_ms_sd_{sd}"] = _geo([r["time_ms"] for r in rows if r.get("split_dtype") == sd])
+    # One geomean per value of a compared setting, to compare them in one run: split counts, value splits (auto:
+    # the autotuner's choice), two streams vs one, the split partials in 16 bits vs fp32.
+    summary.update(_geomean_by(rows, "splits", lambda n: f"s{n}"))
+    summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
+    summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
+    summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
@@ -95,6 +85,16 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         for m in modes:
             summary[f"matmul_fraction_long_{m}"] = _geo([r["matmul_fraction"] for r in long if r["mode"] == m])
     return summary
+
+
+def _geomean_by(rows: list[dict], field: str, name, keep_none: bool = False) -> dict:
+    """``geomean_ms_<name(value)>`` for each value of ``field`` over ``rows`` (rows without it, or with None unless
+    ``keep_none``, left out; None sorts first), where the rows hold more than one value; else nothing."""
+    values = {r.get(field) for r in rows if keep_none or r.get(field) is not None}
+    if len(values) < 2:
+        return {}
+    return {f"geomean_ms_{name(v)}": _geo([r["time_ms"] for r in rows if r.get(field) == v])
+            for v in sorted(values, key=lambda v: (v is not None, v or 0))}
 
 
 def result_line(summary: dict) -> str:
