@@ -3,29 +3,38 @@
 # goals, the static ptxas report with this machine's Triton, and the engine-level benchmarks on CUDA.
 #
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
-#   STEPS="tests-cuda kernels" bash benchmarks/run_gpu.sh "$OUT"     (a subset, e.g. to fit a time limit per call)
+#   STEPS="rank kernels-splits" bash benchmarks/run_gpu.sh "$OUT"     (a subset, run in the order STEPS names them)
 #
-# Where each call may run 10 minutes (keep the same OUT across calls; each step writes its own files), in the order
-# of what is least known (as of 2026-11-25: the even split shares, the two-stream launches and the 16-bit split
-# partials were never timed):
-#   1. STEPS="env kernels-splits rank profile-graphs"   2. STEPS="tests-gpu kernels-split-dtype"
-#   3. STEPS="kernels-d256 kernels-vsplits-rank"        4. STEPS="kernels-d64 kernels-d128"  (about 8 minutes on an H100)
-#   5. STEPS="kernels-vsplits ncu ncu-kernel"           6. STEPS="rank-compile tiers sync"
-#   7+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call has 10 minutes)
+# Environment: STEPS (which steps, in that order; an unknown name stops the script before anything runs);
+# DEADLINE_S (seconds from the script's start, the install included, after which no step starts: a step starts only
+# with MIN_STEP_S, default 30, left, and its own limit is cut to what is left, so a time-limited call returns what
+# it finished); ARCHIVE (a .tgz path: OUT_DIR packed into it when the script ends, for a runner that returns few
+# files); RELAYGR_COMMIT (the commit named in every header, else `git rev-parse`). OUT_DIR/steps.tsv lists each
+# step's seconds and exit status (or "not run"), so later calls can be sized from it.
+#
+# A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
+# files: one call, its timeout_s about 560, of
+#   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
+# with, in order of what is least known and most asked (as of 2026-11-26; the first steps compile the kernels'
+# variants for the later ones, which find them in Triton's cache):
+#   1. STEPS="env rank kernels-splits profile-graphs kernels-split-dtype tiers-8k kernels-d256"
+#   2. STEPS="tests-gpu kernels-vsplits-rank rank-compile"        3. STEPS="kernels-d64 kernels-d128 ncu ncu-kernel"
+#   4. STEPS="tiers sync kernels-vsplits"
+#   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync
 # rank rank-compile profile profile-graphs ncu ncu-kernel
-# rank-small tiers slo slo-graphs tests-cuda kernels-persistent (all by default;
+# rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
 # inference shape (8 layers, 4 heads x 256, bf16, 4096 tokens of which 3968 cached, 256 candidates).
 # Needs torch with CUDA, triton, pybind11, cmake and ninja already installed: no network is used (the package is
 # installed with --no-build-isolation --no-deps). Each step writes its output to OUT_DIR as soon as it finishes, with
-# a header naming the device, date and commit (RELAYGR_COMMIT, else `git rev-parse`), so a run cut short keeps what
+# a header naming the device, date and commit, so a run cut short keeps what
 # it finished. Steps that fail are listed at the end; the script exits non-zero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +43,12 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+DEADLINE_S=${DEADLINE_S:-}
+MIN_STEP_S=${MIN_STEP_S:-30}
+ARCHIVE=${ARCHIVE:-}
+if [ -n "$ARCHIVE" ]; then  # packed however the script ends
+    trap 'tar czf "$ARCHIVE" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" && echo "archived in $ARCHIVE"' EXIT
+fi
 
 commit=${RELAYGR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
@@ -43,21 +58,41 @@ if [ -z "$gpu" ]; then
 fi
 header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
+skipped=()
 
 STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run, tee to OUT_DIR/NAME.txt under a header
+declare -A STEP_CMD STEP_LIMIT
+step() {  # step NAME TIMEOUT_S COMMAND...: define a step (run later, in the order STEPS names them)
     local name=$1 limit=$2
     shift 2
-    case " ${STEPS} " in *" ${name} "*) ;; *) return 0 ;; esac
-    echo "== ${name}: $*"
-    { echo "# $* | ${header}"; timeout "$limit" "$@" 2>&1; } | tee "${OUT_DIR}/${name}.txt"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || failed+=("${name} (exit ${rc})")
+    printf -v "STEP_CMD[$name]" '%q ' "$@"
+    STEP_LIMIT[$name]=$limit
 }
 
-$PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
+run_step() {  # run_step NAME: run it under its limit (cut to DEADLINE_S), tee to OUT_DIR/NAME.txt under a header
+    local name=$1 limit=${STEP_LIMIT[$1]} cut=""
+    if [ -n "$DEADLINE_S" ]; then
+        local left=$(( DEADLINE_S - SECONDS ))
+        if [ "$left" -lt "$MIN_STEP_S" ]; then
+            echo "== ${name}: not run (${left} s left before DEADLINE_S=${DEADLINE_S})"
+            printf '%s\t-\tnot run\n' "$name" >> "${OUT_DIR}/steps.tsv"
+            skipped+=("$name")
+            return 0
+        fi
+        if [ "$left" -lt "$limit" ]; then limit=$left; cut=" (cut to the deadline)"; fi
+    fi
+    echo "== ${name} (limit ${limit} s${cut}): ${STEP_CMD[$name]}"
+    local t0=$SECONDS
+    { echo "# ${STEP_CMD[$name]}| ${header}"; eval "timeout ${limit} ${STEP_CMD[$name]}" 2>&1; } | tee "${OUT_DIR}/${name}.txt"
+    local rc=${PIPESTATUS[0]}
+    local took=$(( SECONDS - t0 ))
+    echo "# ${name}: ${took} s, exit ${rc}${cut}" | tee -a "${OUT_DIR}/${name}.txt"
+    printf '%s\t%s\t%s\n' "$name" "$took" "$rc" >> "${OUT_DIR}/steps.tsv"
+    [ "$rc" -eq 0 ] || failed+=("${name} (exit ${rc}${cut})")
+}
+
 step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
 # pytest-xdist where installed: the CUDA tests' time is mostly Triton compiling each autotuned config, which
 # parallelises over the CPU cores (the GPU work is small).
@@ -125,6 +160,9 @@ step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "$
 # ranking's HBM hit (dram_layer_vs_hbm_L8192: issue 26's goal, <= 1.3).
 step tiers 600 $PY -m relaygr_engine.cli bench tiers --device cuda --model nvidia-hstu --page-size 64 \
     --lengths 1024,4096,8192,16384 --json "${OUT_DIR}/tiers.json"
+# Issue 26's goal alone (one length: minutes less where device time is short).
+step tiers-8k 300 $PY -m relaygr_engine.cli bench tiers --device cuda --model nvidia-hstu --page-size 64 \
+    --lengths 8192 --json "${OUT_DIR}/tiers-8k.json"
 # The small model at production lengths, both sides eager, then both graphed and compiled (the CUDA defaults).
 step slo 600 $PY -m relaygr_engine.cli bench slo --device cuda --no-cuda-graphs --no-compile --quick --no-plots \
     --no-progress --out "${OUT_DIR}/slo"
@@ -144,7 +182,21 @@ step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nv
 step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider
 step kernels-persistent 600 $PY -m relaygr_engine.cli bench kernels --persistent --json "${OUT_DIR}/kernels-persistent.json"
 
-echo "results in ${OUT_DIR}"
+for name in $STEPS; do  # every name known before anything runs (a typo would cost a device call)
+    if [ -z "${STEP_LIMIT[$name]+set}" ]; then
+        echo "run_gpu.sh: unknown step '${name}' in STEPS; steps: ${!STEP_LIMIT[*]}" >&2
+        exit 2
+    fi
+done
+$PY -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed" >&2; exit 1; }
+for name in $STEPS; do
+    run_step "$name"
+done
+
+echo "results in ${OUT_DIR} (seconds per step: ${OUT_DIR}/steps.tsv)"
+if [ ${#skipped[@]} -gt 0 ]; then
+    echo "not run (deadline): ${skipped[*]}"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'failed: %s\n' "${failed[@]}"
     exit 1
