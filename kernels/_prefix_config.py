@@ -11,6 +11,7 @@ import triton
 
 from ..config import KVDtype, PageReads
 from ._bias_table import rows_fit
+from ._compile import precompiling
 from ._prefix_kernel import prefix_attention_kernel
 
 
@@ -291,7 +292,9 @@ def autotuned_kernel():
     """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
     global _autotuned
     if _autotuned is None:
+        # (pruned, then the kept configs compiled in parallel before the autotuner times them: kernels._compile)
+        prune = precompiling(prune_configs, prefix_attention_kernel)
         _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS, do_bench=_bench_config,
-                                     prune_configs_by={"early_config_prune": prune_configs})(prefix_attention_kernel)
+                                     prune_configs_by={"early_config_prune": prune})(prefix_attention_kernel)
     return _autotuned
 

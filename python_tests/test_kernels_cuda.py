@@ -208,6 +208,41 @@ def test_new_batch_shapes_compile_no_new_kernel_binary():
 
 @gpu
 @needs_cuda
+def test_autotune_configs_compile_in_parallel_before_timing(monkeypatch):
+    """A variant's first call compiles the configs it keeps on threads (kernels._compile) before the autotuner times
+    them: every submitted config is a new binary when that returns, and the timing compiles nothing more; the result
+    is within bf16 tolerance. (Head dim 96: a variant no other test compiles in this process.)"""
+    from relaygr_engine.kernels import _compile
+    from relaygr_engine.kernels.prefix_attention import _prefix_attention_kernel as kernel
+
+    def binaries():
+        return sum(len(c[0]) for c in kernel.device_caches.values())
+
+    monkeypatch.setenv("RELAYGR_COMPILE_WORKERS", "4")
+    spans, real = [], _compile.compile_configs
+
+    def spy(*a, **kw):
+        before = binaries()
+        n = real(*a, **kw)
+        spans.append((before, binaries(), n))
+        return n
+
+    monkeypatch.setattr(_compile, "compile_configs", spy)
+    args, bias = make_problem([(700, 20, 90), (64, 3, 5)], 64, 2, 96, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs("hstu", bias, 96)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    out = prefix_attention(**args, **kw)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    assert len(spans) == 2  # history and candidate tiles: a variant each
+    for i, (before, after, n) in enumerate(spans):
+        assert n >= 2 and after - before == n, spans        # each kept config compiled in the parallel step
+        if i:
+            assert before == spans[i - 1][1], spans           # the previous variant's timing compiled nothing
+    assert binaries() == spans[-1][1], spans
+
+
+@gpu
+@needs_cuda
 def test_prefix_attention_fp32_cuda_ieee():
     args, bias = make_problem([(300, 20, 100), (64, 1, 3)], 32, 2, 64, device="cuda")
     check_attention(args, attention_kwargs("hstu", bias, 64), persistent=False)
