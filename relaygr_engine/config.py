@@ -121,8 +121,11 @@ class TimeBucket(str, enum.Enum):
         return self is TimeBucket.LN_0301
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# The float dtypes a model, a cache or a kernel's partials take, by their short (Triton's) names; resolve_dtype also
+# takes torch's long names ("bfloat16").
+SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_DTYPES = {**{str(d).removeprefix("torch."): d for d in SHORT_DTYPE_NAMES},
+           **{name: d for d, name in SHORT_DTYPE_NAMES.items()}}
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:

@@ -32,13 +32,12 @@ from typing import Callable, Optional
 import torch
 
 from ..cli_args import POSITIVE_INTS, ArgumentParser
+from ..config import SHORT_DTYPE_NAMES
 from . import kernels_summary as S
 from .device_timing import device_seconds as _time
 from .kernel_shapes import CPU_SHAPES, GPU_SHAPES, Shape, parse_shape
 
 __all__ = ["main", "problem", "run_shape"]
-
-SPLIT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}  # --split-dtype's names
 
 
 # ------------------------------------------------------------------------------------------------ problem set-up
@@ -220,7 +219,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
     row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
                value_splits=value_splits, concurrent=concurrent,
-               split_dtype=SPLIT_DTYPES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
+               split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
                time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
                gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
@@ -337,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if True in concurrent and device.type != "cuda":
         ap.error(f"--concurrent-tiles yes needs a CUDA device (streams), got {device}")
     split_dtypes = _choices(ap, "--split-dtype", opts.split_dtype,
-                            {"model": None, **{name: d for d, name in SPLIT_DTYPES.items()}})
+                            {"model": None, **{name: d for d, name in SHORT_DTYPE_NAMES.items()}})
     if torch.bfloat16 in split_dtypes and cpu:
         ap.error("--split-dtype bf16 cannot run in the CPU interpreter (numpy has no bf16)")
     dtype = torch.float32 if cpu else torch.bfloat16

@@ -119,9 +119,9 @@ def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_war
 
 def torch_dtype(dtype: str):
     """The torch dtype of a Triton type name (``"bf16"``, ``"fp16"``, ``"fp32"``)."""
-    import torch
+    from relaygr_engine.config import resolve_dtype
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    return resolve_dtype(dtype)
 
 
 def attention_types(pointer: str) -> dict:
