@@ -22,7 +22,7 @@ import time
 import torch
 
 import relaygr_engine as rg
-from relaygr_engine.bench.common import percentile, synthetic_history
+from relaygr_engine.bench.common import autotuned_configs, percentile, print_autotuned, synthetic_history
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -130,6 +130,7 @@ def main() -> None:
     torch.cuda.synchronize()
     pr.disable()
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+    print_autotuned(autotuned_configs())  # the configs the profiled launches ran
 
 
 if __name__ == "__main__":

@@ -84,3 +84,27 @@ def test_precompiling_prunes_first_then_compiles_what_it_keeps(monkeypatch):
     prune = _compile.precompiling(lambda configs, named, **kw: configs[1:], "kernel")
     assert prune([1, 2, 3], {"a": 1}, grid=4, BLOCK_M=64) == [2, 3]
     assert seen == [("kernel", [2, 3], {"grid": 4, "BLOCK_M": 64})]
+
+
+def test_autotuned_variants_are_named_for_the_benchmarks(capsys):
+    """bench rank and profile_rank.py print which config the autotuner kept per variant (read off its cache)."""
+    from relaygr_engine.bench.common import autotuned_configs, print_autotuned
+    from relaygr_engine.kernels import _prefix_config as K
+
+    tuner = K.autotuned_kernel()
+    K.reset_autotuning()
+    assert autotuned_configs() == []
+    values = dict(HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=128, CAND_TILES=True, HSTU=True, HAS_POS=True, HAS_TS=True,
+                  HIST_TABLE=False, PERSISTENT=False, SPLIT=True, KV8=False, FAST_SILU=True,
+                  TMA_READS=K.TMA_EITHER, V_SPLITS_PICK=0)
+    config = K.CUDA_CONFIGS[0]
+    tuner.cache[tuple(values[k] for k in K.AUTOTUNE_KEYS) + ("torch.bfloat16",)] = config
+    try:
+        rows = autotuned_configs()
+        assert rows == [{"variant": "hstu cand split D=256 BM=128 reads=either", "config": str(config)}]
+        print_autotuned(rows)
+        assert capsys.readouterr().out == f"autotuned: hstu cand split D=256 BM=128 reads=either: {config}\n"
+        hist = dict(values, CAND_TILES=False, SPLIT=False, HIST_TABLE=True, HSTU=False, TMA_READS=K.TMA_OFF)
+        assert K.describe_variant(hist) == "softmax hist table D=256 BM=128 reads=pointers"
+    finally:
+        K.reset_autotuning()

@@ -48,7 +48,7 @@ from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS, add_model_ar
 from ..config import CacheConfig
 from ..engine import RelayEngine
 from ..models import build_ranker
-from .common import emit_result, environment, percentile, synthetic_history
+from .common import autotuned_configs, emit_result, environment, percentile, print_autotuned, synthetic_history
 
 LENGTHS = (256, 1024, 4096)
 CANDIDATES = (64, 256)
@@ -210,7 +210,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                   model=args.model, layers=shape.num_layers, hidden=shape.hidden_dim, heads=shape.num_heads,
                   head_dim=shape.head_dim, dtype=shape.dtype, kv_bytes_per_token=shape.kv_bytes_per_token,
                   device=str(device), threads=env["threads"])
-    emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats))
+    tuned = autotuned_configs()  # which configs won on this device (CUDA): what the next static work starts from
+    print_autotuned(tuned)
+    emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats,
+                                              autotuned=tuned))
     return 0
 
 
