@@ -109,8 +109,10 @@ step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/
 # One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
 # the launcher's split count (auto) beside fixed ones, the two kinds of tile launched on two streams at once (auto)
 # and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)
+# 11 and 22 fill whole waves of 132 SMs at one and two programs per SM (12 tile-head pairs); split counts are
+# runtime arguments, so the values compile nothing new.
 step kernels-splits 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --shape B=1,P=3968,n=128,C=256,H=4,D=256 \
-    --splits auto,7,11,15 --concurrent-tiles auto,no --json "${OUT_DIR}/kernels-splits.json"
+    --splits auto,7,9,11,13,15,22 --concurrent-tiles auto,no --json "${OUT_DIR}/kernels-splits.json"
 # The same layer's split partials in the model's dtype (bf16, the launcher's default: half the bytes the kernel writes
 # and the merge reads) beside fp32 (what every earlier run stored).
 step kernels-split-dtype 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \
