@@ -114,15 +114,21 @@ def _one_group_rows(c, rows: int) -> bool:
     return sub <= 64 and (c.kwargs["M_SPLITS"] == 1 or sub == 64)
 
 
-def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool) -> bool:
+def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool,
+                       split: bool = False, kv8: bool = False) -> bool:
     """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): 8 warps,
     or up to head dim 128 4 warps (one warp group) taking 64 rows a program (a candidate tile of 64 rows, or of 128
-    as two programs) or a history tile of up to 64; ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that
-    compute their bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it;
-    HSTU candidate tiles with a bias (their table row read per key block) 3 stages only above 128."""
+    as two programs) or a history tile of up to 64; above it 4 warps only for split-prefix history tiles
+    (``SPLIT``) of 128 rows as two programs with 32-key blocks, their bias read from the table or none, pages in the
+    model's dtype (spill-free with Triton 3.6 and 3.9, either page read, 2 and 3 stages; at 2 stages two programs fit
+    an SM: the ranking's history launch); ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that compute their
+    bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate
+    tiles with a bias (their table row read per key block) 3 stages only above 128."""
     one_group = (head_dim <= 128 and _one_group_rows(c, rows)
                  and (rows // c.kwargs["M_SPLITS"] == 64 or not cand))  # (candidate tiles: 64 rows a program)
-    return ((c.num_warps == CUDA_NUM_WARPS or one_group)
+    wide_history = (head_dim > 128 and not cand and split and not row_bias and not kv8 and c.kwargs["M_SPLITS"] > 1
+                    and _one_group_rows(c, rows) and c.kwargs["BLOCK_N"] == 32)
+    return ((c.num_warps == CUDA_NUM_WARPS or one_group or wide_history)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
             and (c.num_stages >= 3 or not (cand_bias and head_dim > 128)))
@@ -175,7 +181,7 @@ def prune_configs(configs, named_args, **kwargs):
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
             and (c.maxnreg is None or capped_ok)
             and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias, split) if c.kwargs["V_SPLITS"] > 1
-                                        else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias)))]
+                                        else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias, split, kv8)))]
     return kept or [c for c in configs if offered(c)][:1] or configs[:1]
 
 

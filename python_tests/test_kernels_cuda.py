@@ -182,6 +182,42 @@ def test_several_programs_per_sm_configs_at_head_dim_64_bf16_cuda(mode, monkeypa
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["softmax", "hstu"])
+def test_split_history_tiles_on_one_warp_group_at_head_dim_256_bf16_cuda(mode, monkeypatch):
+    """A ranking's history tiles at head dim 256 (128 rows, split prefix) as two 4-warp programs per tile, each of
+    the configs the autotuner may now pick there forced in turn: within bf16 tolerance of the reference."""
+    from relaygr_engine.kernels import _prefix_config as K
+
+    args, bias = make_problem([(3000, 100, 40)], 64, 2, 256, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs(mode, bias, 256)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    tuner, real = K.autotuned_kernel(), K.prune_configs
+    reads = ["pointers", "tma"] if tma_device(torch.device("cuda")) else ["pointers"]
+    wide = [c for c in K.CUDA_CONFIGS if c.num_warps == 4 and c.kwargs["M_SPLITS"] == 2
+            and c.kwargs["V_SPLITS"] == 1 and c.kwargs["BLOCK_N"] == 32]
+    assert len(wide) == 4
+    for config in wide:
+        if config.kwargs["TMA"] and "tma" not in reads:
+            continue
+        offered = []
+
+        def only(candidates, named, c=config, **meta):
+            kept = real(candidates, named, **meta)
+            if meta.get("CAND_TILES", named.get("CAND_TILES")):
+                return kept  # candidate tiles: their own configs
+            offered.append(c in kept)
+            return [c]
+
+        monkeypatch.setattr(tuner, "early_config_prune", only)
+        K.reset_autotuning()
+        out = prefix_attention(**args, **kw, splits=4, page_reads="tma" if config.kwargs["TMA"] else "pointers")
+        assert offered == [True], config
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=str(config))
+    K.reset_autotuning()
+
+
+@gpu
+@needs_cuda
 def test_new_batch_shapes_compile_no_new_kernel_binary():
     """Rankings of other lengths reuse the binaries of the first call (no second-long compile on the hot path), of
     the attention kernel and of the bias-table kernel (with a plan, two layers: the bias index built, then read)."""

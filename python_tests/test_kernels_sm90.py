@@ -215,6 +215,16 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True) == [(32, 2)]
     assert kept(HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == [(32, 2), (32, 3)]
     assert kept(4, HEAD_DIM=256, HSTU=True, CAND_TILES=False, HAS_TS=True, HIST_TABLE=True) == []
+    # ... but a split prefix's 128-row history tiles as two 4-warp programs (spill-free with Triton 3.6 and 3.9):
+    # reading the bias table or without one, 32-key blocks, pages in the model's dtype
+    wide = dict(HEAD_DIM=256, CAND_TILES=False, BLOCK_M=128, SPLIT=True)
+    for meta in (dict(HSTU=True, HAS_TS=True, HIST_TABLE=True), dict(HSTU=True), dict(HSTU=False)):
+        assert kept(4, rows=2, **wide, **meta) == [(32, 2), (32, 3)], meta
+        assert kept(4, rows=2, **dict(wide, SPLIT=False), **meta) == [], meta      # unsplit: they spill
+        assert kept(4, rows=2, **wide, **meta, KV8=True) == [], meta              # 8-bit pages: they spill
+        assert kept(4, **wide, **meta) == [], meta                                # 128 rows on one warp group
+    assert kept(4, rows=2, **wide, HSTU=True, HAS_TS=True) == []                  # computing the bias: they spill
+    assert kept(4, rows=2, **dict(wide, CAND_TILES=True), HSTU=True) == []         # candidate tiles: they spill
     for warps in (8, 4):
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == all4
