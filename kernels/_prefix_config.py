@@ -116,22 +116,28 @@ def _one_group_rows(c, rows: int) -> bool:
 
 def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, cand_bias: bool,
                        split: bool = False, kv8: bool = False) -> bool:
-    """Whether a config without value splits compiles spill-free and fits shared memory on sm_90 (bf16): 8 warps,
-    or up to head dim 128 4 warps (one warp group) taking 64 rows a program (a candidate tile of 64 rows, or of 128
-    as two programs) or a history tile of up to 64; above it 4 warps only for split-prefix history tiles
-    (``SPLIT``) of 128 rows as two programs with 32-key blocks, their bias read from the table or none, pages in the
-    model's dtype (spill-free with Triton 3.6 and 3.9, either page read, 2 and 3 stages; at 2 stages two programs fit
-    an SM: the ranking's history launch); ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that compute their
-    bias per (row, key) in the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate
-    tiles with a bias (their table row read per key block) 3 stages only above 128."""
+    """Whether a config without value splits compiles spill-free (or, where said, without local-memory accesses in
+    its key loops) and fits shared memory on sm_90 (bf16):
+
+    - 8 warps; ``BLOCK_N = 32`` above head dim 128; HSTU history tiles that compute their bias per (row, key) in
+      the kernel ``BLOCK_N = 32`` from head dim 128 and 2 stages only above it; HSTU candidate tiles with a bias
+      (their table row read per key block) 3 stages only above 128;
+    - 4 warps (one warp group) up to head dim 128, taking 64 rows a program (a candidate tile of 64 rows, or of
+      128 as two programs) or a history tile of up to 64;
+    - 4 warps above head dim 128 only with a split prefix (``SPLIT``: a ranking's few tiles), a 128-row tile as two
+      programs, 32-key blocks, pages in the model's dtype, 2 or 3 stages, either page read: history tiles reading
+      HSTU's bias from the table or without one (spill-free with Triton 3.6 and 3.9) and HSTU candidate tiles with
+      a bias (they spill 12-156 bytes, all outside the key loops with either compiler; softmax and unbiased
+      candidate tiles have local accesses in them). At 2 stages two such programs fit an SM, where one 8-warp
+      program fills it."""
     one_group = (head_dim <= 128 and _one_group_rows(c, rows)
                  and (rows // c.kwargs["M_SPLITS"] == 64 or not cand))  # (candidate tiles: 64 rows a program)
-    wide_history = (head_dim > 128 and not cand and split and not row_bias and not kv8 and c.kwargs["M_SPLITS"] > 1
-                    and _one_group_rows(c, rows) and c.kwargs["BLOCK_N"] == 32)
-    return ((c.num_warps == CUDA_NUM_WARPS or one_group or wide_history)
+    wide_group = (head_dim > 128 and split and not kv8 and c.kwargs["M_SPLITS"] > 1 and _one_group_rows(c, rows)
+                  and c.kwargs["BLOCK_N"] == 32 and (cand_bias if cand else not row_bias))
+    return ((c.num_warps == CUDA_NUM_WARPS or one_group or wide_group)
             and (c.kwargs["BLOCK_N"] <= 32 or (head_dim <= 128 and not (row_bias and head_dim >= 128)))
             and (c.num_stages <= 2 or not (row_bias and head_dim > 128))
-            and (c.num_stages >= 3 or not (cand_bias and head_dim > 128)))
+            and (c.num_stages >= 3 or not (cand_bias and head_dim > 128) or wide_group))
 
 
 def _clean_value_split(c, rows: int, row_bias: bool, split: bool) -> bool:

@@ -166,7 +166,8 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     assert got == {(m, c) for m, c, _ in expect} and len(rows) == 2 * sum(n for *_, n in expect)
     assert sum(r["config"]["split"] for r in rows) == len(rows) // 2  # each config unsplit and split
     assert int(result["default_configs"]) == 2 * sum(n for m, _, n in expect if m != "hstu-nobias")
-    assert result["default_spilling"] == "0"
+    assert result["default_spilling"] == "0" and result["default_loop_spilling"] == "0"
+    assert all(r["loop"]["local"] == 0 for r in rows)  # (the report's lcl column: local accesses in the key loop)
     for kind in ("cand", "hist", "hist_inkernel"):
         assert float(result[f"bias_instr_ratio_{kind}"]) > 1.0, kind
     # one special-function instruction per HSTU score (the approximate tanh), where no warp group repeats a score
@@ -224,7 +225,11 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
         assert kept(4, rows=2, **wide, **meta, KV8=True) == [], meta              # 8-bit pages: they spill
         assert kept(4, **wide, **meta) == [], meta                                # 128 rows on one warp group
     assert kept(4, rows=2, **wide, HSTU=True, HAS_TS=True) == []                  # computing the bias: they spill
-    assert kept(4, rows=2, **dict(wide, CAND_TILES=True), HSTU=True) == []         # candidate tiles: they spill
+    # and HSTU candidate tiles with a bias: they spill, but not in the key loops (softmax's and unbiased ones do)
+    cand = dict(wide, CAND_TILES=True)
+    assert kept(4, rows=2, **cand, HSTU=True, HAS_POS=True, HAS_TS=True) == [(32, 2), (32, 3)]
+    assert kept(4, rows=2, **dict(cand, SPLIT=False), HSTU=True, HAS_POS=True, HAS_TS=True) == []
+    assert kept(4, rows=2, **cand, HSTU=True) == [] == kept(4, rows=2, **cand, HSTU=False)
     for warps in (8, 4):
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
         assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == all4

@@ -312,7 +312,7 @@ def _row(b: Build) -> str:
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{b.programs_per_sm:>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
-            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4}")
+            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4} {lp.local:>3}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -400,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
           f"{'vs':>2} {'ms':>2} {'cap':>3} {'sp':>2} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
-          f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4}")
+          f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4} {'lcl':>3}")
     rows = []
     for cfg in grid:
         rows.append(build(cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch))
@@ -416,6 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if opts.defaults:
         default = [b for b in rows if b.config.mode != "hstu-nobias"]
         fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
+                      default_loop_spilling=sum(b.loop.local > 0 for b in default),
                       default_over_smem=sum(not b.fits for b in default))
     for d in sorted({b.config.head_dim for b in clean if b.config.cand_tiles}):  # candidate tiles' best occupancy
         fields[f"max_programs_per_sm_cand_d{d}"] = max(b.programs_per_sm for b in clean

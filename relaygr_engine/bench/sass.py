@@ -2,7 +2,8 @@
 
 Static facts, no GPU: how many instructions the kernel has, how many are tensor-core MMAs, synchronous global loads
 or asynchronous copies, shuffles, special-function instructions (``MUFU``: exp2, reciprocal, tanh; a unit with a
-sixteenth of the tensor cores' per-element rate, which attention's pointwise work can saturate), and the same for its
+sixteenth of the tensor cores' per-element rate, which attention's pointwise work can saturate), local-memory
+accesses (spilled registers: once per program outside the loops, or at every key block inside them), and the same for its
 key loop (the loop body with the most MMAs, where a paged
 attention kernel spends its time). ``relaygr bench ptxas`` prints them per config.
 """
@@ -27,6 +28,7 @@ ASYNC_OPS = ("LDGSTS", "UTMALDG", "UBLKCP")     # cp.async and TMA copies into s
 LOAD_OPS = ("LDG",)                             # synchronous global loads (into registers)
 SHUFFLE_OPS = ("SHFL",)
 SPECIAL_OPS = ("MUFU",)
+LOCAL_OPS = ("LDL", "STL")                      # local memory: where spilled registers go
 
 
 def nvdisasm_path() -> str:
@@ -73,12 +75,13 @@ class Mix:
     async_copies: int
     shuffles: int
     special: int = 0    # special-function unit instructions (MUFU)
+    local: int = 0      # local-memory loads and stores (LDL, STL): spilled registers moving
 
     @classmethod
     def of(cls, ops: collections.Counter) -> "Mix":
         count = lambda names: sum(ops[n] for n in names)  # noqa: E731
         return cls(sum(ops.values()), count(MMA_OPS), count(LOAD_OPS), count(ASYNC_OPS), count(SHUFFLE_OPS),
-                   count(SPECIAL_OPS))
+                   count(SPECIAL_OPS), count(LOCAL_OPS))
 
 
 def _opcode(text: str) -> str:
