@@ -126,10 +126,11 @@ def _clean_one_program(c, head_dim: int, rows: int, cand: bool, row_bias: bool, 
       128 as two programs) or a history tile of up to 64;
     - 4 warps above head dim 128 only with a split prefix (``SPLIT``: a ranking's few tiles), a 128-row tile as two
       programs, 32-key blocks, pages in the model's dtype, 2 or 3 stages, either page read: history tiles reading
-      HSTU's bias from the table or without one (spill-free with Triton 3.6 and 3.9) and HSTU candidate tiles with
-      a bias (they spill 12-156 bytes, all outside the key loops with either compiler; softmax and unbiased
-      candidate tiles have local accesses in them). At 2 stages two such programs fit an SM, where one 8-warp
-      program fills it."""
+      HSTU's bias from the table or without one, and HSTU candidate tiles with a bias. These have no local-memory
+      access in their key loops with Triton 3.6 or 3.9 (``bench ptxas``'s ``lcl``); some spill outside them (up to
+      36 bytes for history tiles, 8-116 for candidate tiles; ``benchmarks/results/ptxas-sm90-defaults-split*``),
+      where softmax and unbiased candidate tiles also touch local memory inside. At 2 stages two such programs fit
+      an SM, where one 8-warp program fills it."""
     one_group = (head_dim <= 128 and _one_group_rows(c, rows)
                  and (rows // c.kwargs["M_SPLITS"] == 64 or not cand))  # (candidate tiles: 64 rows a program)
     wide_group = (head_dim > 128 and split and not kv8 and c.kwargs["M_SPLITS"] > 1 and _one_group_rows(c, rows)
