@@ -22,7 +22,8 @@ import time
 import torch
 
 import relaygr_engine as rg
-from relaygr_engine.bench.common import autotuned_configs, percentile, print_autotuned, synthetic_history
+from relaygr_engine.bench import autotune_report
+from relaygr_engine.bench.common import percentile, synthetic_history
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--cuda-profiler-window", action="store_true",
                     help="run one warmed-up ranking inside cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     args = ap.parse_args()
+    autotune_report.record_timings()
     L, new, C = 4096, 128, 256
     cfg = rg.GRModelConfig(attention="hstu", num_layers=8, hidden_dim=1024, num_heads=4, head_dim=256,
                            num_items=10_000, num_actions=4, max_seq_len=L, num_tasks=2)
@@ -130,7 +132,7 @@ def main() -> None:
     torch.cuda.synchronize()
     pr.disable()
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
-    print_autotuned(autotuned_configs())  # the configs the profiled launches ran
+    autotune_report.print_variants()  # the configs the profiled launches ran, and each candidate's time
 
 
 if __name__ == "__main__":

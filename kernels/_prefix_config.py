@@ -301,23 +301,6 @@ def autotuned_choices() -> list[str]:
     return [str(c) for c in _autotuned.cache.values()] if _autotuned is not None else []
 
 
-def autotuned_variants() -> list[tuple[dict, str]]:
-    """Each variant tuned since the last :func:`reset_autotuning`: its autotune key by name
-    (:data:`AUTOTUNE_KEYS`, e.g. ``CAND_TILES``, ``SPLIT``, ``HEAD_DIM``) and the config the autotuner kept."""
-    if _autotuned is None:
-        return []
-    return [(dict(zip(AUTOTUNE_KEYS, key)), str(config)) for key, config in _autotuned.cache.items()]
-
-
-def describe_variant(key: dict) -> str:
-    """A variant's autotune key in a few words: ``hstu cand split D=256 BM=128 tma=either``."""
-    words = ["hstu" if key.get("HSTU") else "softmax", "cand" if key.get("CAND_TILES") else "hist"]
-    words += [w for w, on in (("split", key.get("SPLIT")), ("persistent", key.get("PERSISTENT")),
-                              ("table", key.get("HIST_TABLE")), ("kv8", key.get("KV8"))) if on]
-    reads = {TMA_OFF: "pointers", TMA_EITHER: "either", TMA_ONLY: "tma"}.get(key.get("TMA_READS"), "?")
-    return " ".join(words + [f"D={key.get('HEAD_DIM')}", f"BM={key.get('BLOCK_M')}", f"reads={reads}"])
-
-
 def autotuned_kernel():
     """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
     global _autotuned

@@ -86,25 +86,44 @@ def test_precompiling_prunes_first_then_compiles_what_it_keeps(monkeypatch):
     assert seen == [("kernel", [2, 3], {"grid": 4, "BLOCK_M": 64})]
 
 
-def test_autotuned_variants_are_named_for_the_benchmarks(capsys):
-    """bench rank and profile_rank.py print which config the autotuner kept per variant (read off its cache)."""
-    from relaygr_engine.bench.common import autotuned_configs, print_autotuned
+def test_autotune_report_names_each_variant_its_kept_config_and_every_candidates_time(capsys):
+    """bench rank and profile_rank.py print, per autotuned variant, the config kept and each candidate's median time
+    (read off the autotuner after it tunes a variant; here a stand-in for its run does the tuning)."""
+    from relaygr_engine.bench import autotune_report as R
     from relaygr_engine.kernels import _prefix_config as K
 
     tuner = K.autotuned_kernel()
     K.reset_autotuning()
-    assert autotuned_configs() == []
+    assert R.variants() == []
     values = dict(HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=128, CAND_TILES=True, HSTU=True, HAS_POS=True, HAS_TS=True,
                   HIST_TABLE=False, PERSISTENT=False, SPLIT=True, KV8=False, FAST_SILU=True,
                   TMA_READS=K.TMA_EITHER, V_SPLITS_PICK=0)
-    config = K.CUDA_CONFIGS[0]
-    tuner.cache[tuple(values[k] for k in K.AUTOTUNE_KEYS) + ("torch.bfloat16",)] = config
+    key = tuple(values[k] for k in K.AUTOTUNE_KEYS) + ("torch.bfloat16",)
+    eight = next(c for c in K.CUDA_CONFIGS if c.num_warps == 8 and c.kwargs["TMA"] and c.num_stages == 3
+                 and c.kwargs["BLOCK_N"] == 32)
+    halves = next(c for c in K.CUDA_CONFIGS if c.num_warps == 4 and c.kwargs["M_SPLITS"] == 2
+                  and c.kwargs["V_SPLITS"] == 1 and c.kwargs["BLOCK_N"] == 32 and c.num_stages == 2
+                  and not c.kwargs["TMA"])
+
+    def tune(*args, **kwargs):  # what Triton's autotuner leaves behind after tuning a variant
+        tuner.configs_timings = {eight: [0.041, 0.04, 0.042], halves: [0.028, 0.027, 0.03]}
+        tuner.cache[key] = halves
+        return "launched"
+
+    tuner.__dict__.pop("_relaygr_records", None)
+    tuner.run = tune
     try:
-        rows = autotuned_configs()
-        assert rows == [{"variant": "hstu cand split D=256 BM=128 reads=either", "config": str(config)}]
-        print_autotuned(rows)
-        assert capsys.readouterr().out == f"autotuned: hstu cand split D=256 BM=128 reads=either: {config}\n"
+        R.record_timings()
+        R.record_timings()  # idempotent: wrapped once
+        assert tuner.run(1, grid=(1,), warmup=False) == "launched"
+        rows = R.print_variants()
+        assert rows == [{"variant": "hstu cand split D=256 BM=128 reads=either", "config": "4w bn32 s2 m2",
+                         "timings_ms": [("4w bn32 s2 m2", 0.028), ("8w bn32 s3 tma", 0.041)]}]
+        assert capsys.readouterr().out == ("autotuned: hstu cand split D=256 BM=128 reads=either: 4w bn32 s2 m2 | "
+                                           "4w bn32 s2 m2 0.0280, 8w bn32 s3 tma 0.0410\n")
         hist = dict(values, CAND_TILES=False, SPLIT=False, HIST_TABLE=True, HSTU=False, TMA_READS=K.TMA_OFF)
-        assert K.describe_variant(hist) == "softmax hist table D=256 BM=128 reads=pointers"
+        assert R.describe(hist) == "softmax hist table D=256 BM=128 reads=pointers"
     finally:
+        tuner.__dict__.pop("run", None)  # the class's own run again
+        tuner.__dict__.pop("_relaygr_records", None)
         K.reset_autotuning()

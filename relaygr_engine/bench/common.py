@@ -145,22 +145,6 @@ def _fmt(v: Any) -> str:
     return str(v).replace(" ", "_")
 
 
-def autotuned_configs() -> list[dict]:
-    """The prefix kernel's variants autotuned in this process (CUDA), each ``{"variant": ..., "config": ...}``: the
-    config the autotuner kept (none where nothing was tuned, or Triton is not installed)."""
-    try:
-        from ..kernels._prefix_config import autotuned_variants, describe_variant
-    except ImportError:
-        return []
-    return [{"variant": describe_variant(key), "config": config} for key, config in autotuned_variants()]
-
-
-def print_autotuned(rows: list[dict]) -> None:
-    """One line per autotuned variant (:func:`autotuned_configs`), before a benchmark's RESULT line."""
-    for row in rows:
-        print(f"autotuned: {row['variant']}: {row['config']}")
-
-
 def emit_result(result: dict[str, Any], json_path: Optional[str] = None, extra: Optional[dict] = None) -> str:
     """Print the one ``RESULT key=value ...`` line (last line of every benchmark) and optionally write JSON."""
     line = "RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items())

@@ -48,7 +48,8 @@ from ..cli_args import ArgumentParser, POSITIVE_INT, POSITIVE_INTS, add_model_ar
 from ..config import CacheConfig
 from ..engine import RelayEngine
 from ..models import build_ranker
-from .common import autotuned_configs, emit_result, environment, percentile, print_autotuned, synthetic_history
+from . import autotune_report
+from .common import emit_result, environment, percentile, synthetic_history
 
 LENGTHS = (256, 1024, 4096)
 CANDIDATES = (64, 256)
@@ -122,6 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cands = args.candidates or cands
     repeats = 1 if args.quick else max(1, args.repeats)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        autotune_report.record_timings()  # each autotuned variant's candidates, timed, for the report at the end
 
     dtype, ps = shape.torch_dtype, args.page_size
     cfg = shape.config(attention=args.attention, num_items=10_000, num_actions=4, max_seq_len=max(lengths),
@@ -210,8 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   model=args.model, layers=shape.num_layers, hidden=shape.hidden_dim, heads=shape.num_heads,
                   head_dim=shape.head_dim, dtype=shape.dtype, kv_bytes_per_token=shape.kv_bytes_per_token,
                   device=str(device), threads=env["threads"])
-    tuned = autotuned_configs()  # which configs won on this device (CUDA): what the next static work starts from
-    print_autotuned(tuned)
+    tuned = autotune_report.print_variants()  # which configs won on this device (CUDA), and by how much
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats,
                                               autotuned=tuned))
     return 0
