@@ -1,9 +1,9 @@
 """Host-side helpers shared by the kernel launchers: device checks, interpreter detection, grid sizing.
 
-Triton compiles nothing here (this module imports torch only). The launchers in the kernel files validate their
-inputs with these helpers before any kernel runs, so a wrong shape, dtype, device or layout is a ``ValueError``
-naming the argument, never a crash or a silent wrong answer inside a kernel. :func:`check_page_table` is also the
-check of :func:`relaygr_engine.ops.paged_prefix_attention`.
+Triton compiles nothing here (this module imports torch and the package's config only, no Triton). The launchers
+in the kernel files validate their inputs with these helpers before any kernel runs, so a wrong shape, dtype,
+device or layout is a ``ValueError`` naming the argument, never a crash or a silent wrong answer inside a kernel.
+:func:`check_page_table` is also the check of :func:`relaygr_engine.ops.paged_prefix_attention`.
 
 Devices
 -------
@@ -29,9 +29,11 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..config import SHORT_DTYPE_NAMES
+
 _log = logging.getLogger("relaygr_engine")
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = tuple(SHORT_DTYPE_NAMES)  # fp32, fp16, bf16: the config's one map of them
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 # Programs a persistent grid launches in the interpreter: a few, so that each one loops over several tiles.

@@ -104,7 +104,7 @@ def split_dtype(dtype: Optional[torch.dtype], model_dtype: torch.dtype, device: 
     the model's precision to each split's share."""
     if dtype is None:
         return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float32
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype not in C.FLOAT_DTYPES:
         raise ValueError(f"split_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
     if dtype == torch.bfloat16 and device.type == "cpu":
         raise ValueError("split_dtype=torch.bfloat16 cannot run in the CPU interpreter (numpy has no bf16); use "
