@@ -10,6 +10,7 @@ import torch
 import triton
 
 from ..config import KVDtype, PageReads
+from . import _autotune_store
 from ._bias_table import rows_fit
 from ._compile import precompiling
 from ._prefix_kernel import prefix_attention_kernel
@@ -296,6 +297,27 @@ def reset_autotuning() -> None:
         _autotuned.cache.clear()
 
 
+def save_autotune(path: str, device=None) -> int:
+    """Write the autotuner's choices so far (every variant tuned or loaded since the last :func:`reset_autotuning`)
+    to ``path`` (JSON, replaced atomically), marked with where they were measured (CUDA ``device``, None: the
+    current one; :func:`autotune_fingerprint`); returns how many. A later process loads them with
+    :func:`load_autotune` or ``RELAYGR_AUTOTUNE_FILE`` (:mod:`relaygr_engine.kernels._autotune_store`)."""
+    tuner = autotuned_kernel()
+    _autotune_store.write(path, _autotune_store.document(tuner.cache, autotune_fingerprint(device), AUTOTUNE_KEYS))
+    return len(tuner.cache)
+
+
+def load_autotune(path: str, device=None) -> int:
+    """Load the choices that :func:`save_autotune` wrote to ``path`` into the autotuner (each such variant then
+    compiles and runs that config, untimed); returns how many. Nothing is loaded from a file measured on another
+    GPU, Triton or kernel source (logged), nor a choice the kernel's pruning no longer keeps for its variant.
+    ``ValueError`` naming ``path`` if it is not such a file."""
+    tuner = autotuned_kernel()
+    doc = _autotune_store.read(path)
+    return _autotune_store.apply(doc, tuner.cache, CUDA_CONFIGS, prune_configs, autotune_fingerprint(device),
+                                 AUTOTUNE_KEYS, source=f"autotune file {path!r}")
+
+
 def autotuned_choices() -> list[str]:
     """The configs the autotuner has kept, one per variant tuned since the last :func:`reset_autotuning`."""
     return [str(c) for c in _autotuned.cache.values()] if _autotuned is not None else []
@@ -309,5 +331,13 @@ def autotuned_kernel():
         prune = precompiling(prune_configs, prefix_attention_kernel)
         _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS, do_bench=_bench_config,
                                      prune_configs_by={"early_config_prune": prune})(prefix_attention_kernel)
+        if torch.cuda.is_available():  # choices kept on disk with RELAYGR_AUTOTUNE_FILE (kernels._autotune_store)
+            _autotune_store.install(_autotuned, CUDA_CONFIGS, prune_configs, autotune_fingerprint, AUTOTUNE_KEYS)
     return _autotuned
+
+
+def autotune_fingerprint(device=None) -> dict:
+    """Where the autotuner's choices hold (:func:`~relaygr_engine.kernels._autotune_store.fingerprint`): this
+    CUDA ``device``'s GPU (None: the current one), this Triton and this kernel's source."""
+    return _autotune_store.fingerprint(prefix_attention_kernel, device)
 

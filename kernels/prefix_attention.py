@@ -41,14 +41,15 @@ from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, p
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig,
-                             autotuned_kernel, page_reads as pick_page_reads, pick_config, reset_autotuning)
+                             autotuned_kernel, load_autotune, page_reads as pick_page_reads, pick_config,
+                             reset_autotuning, save_autotune)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._prefix_plan import PrefixAttentionPlan, _check_block, _plan, plan_prefix_attention
 from ._split import merge_splits, split_dtype as pick_split_dtype, split_layout
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
-           "pick_config", "reset_autotuning"]
+           "pick_config", "reset_autotuning", "save_autotune", "load_autotune"]
 
 _prefix_attention_kernel = prefix_attention_kernel  # the name tests and ``relaygr bench ptxas`` compile
 

@@ -327,3 +327,29 @@ def test_split_layout_shares_every_key_evenly_and_drops_empty_splits(monkeypatch
             assert n * length >= keys and length % 64 == 0
             if forced is None:
                 assert (n - 1) * length < keys                        # the last split has keys
+
+
+@gpu
+@needs_cuda
+def test_saved_autotune_choices_run_untimed_in_a_later_tuning_bf16_cuda(tmp_path, monkeypatch):
+    """A variant tuned here, saved, forgotten and loaded: the launch runs the loaded config without pruning,
+    compiling the other candidates or timing any (the autotuner's hooks fail if called), bit for bit what the
+    tuned launch gave."""
+    from relaygr_engine.kernels import _prefix_config as K
+    from relaygr_engine.kernels.prefix_attention import load_autotune, save_autotune
+
+    args, bias = make_problem([(2000, 30, 200)], 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs("hstu", bias, 128)
+    tuner = K.autotuned_kernel()
+    K.reset_autotuning()
+    tuned = prefix_attention(**args, **kw)
+    choices = dict(tuner.cache)
+    path = str(tmp_path / "choices.json")
+    assert save_autotune(path) == len(choices) >= 1
+    K.reset_autotuning()
+    assert load_autotune(path) == len(choices)
+    assert tuner.cache == choices
+    monkeypatch.setattr(tuner, "early_config_prune", lambda *a, **k: pytest.fail("pruned (tuning again)"))
+    monkeypatch.setattr(tuner, "_bench", lambda *a, **k: pytest.fail("timed a config"))
+    torch.testing.assert_close(prefix_attention(**args, **kw), tuned, atol=0, rtol=0)
+    K.reset_autotuning()
