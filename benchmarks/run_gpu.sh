@@ -129,8 +129,12 @@ step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DI
 step kernels-fp8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype fp8_e4m3 --json "${OUT_DIR}/kernels-fp8.json"
 step kernels-int8 900 $PY -m relaygr_engine.cli bench kernels --kv-dtype int8 --json "${OUT_DIR}/kernels-int8.json"
 step sync 120 $PY benchmarks/sync_audit.py
-step rank 300 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
-    --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --json "${OUT_DIR}/rank.json"
+# (RELAYGR_AUTOTUNE_FILE: the configs the autotuner keeps at this shape saved as a file of choices, which a serving
+# process on this GPU and Triton can load instead of tuning: kernels/_autotune_store.py. This step only: the other
+# steps tune as before.)
+step rank 300 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/autotune-rank.json" $PY -m relaygr_engine.cli bench rank \
+    --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 \
+    --cuda-graphs --json "${OUT_DIR}/rank.json"
 # The same with the whole model compiled (torch.compile) on every path: fewer, fused kernels per graph.
 step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \

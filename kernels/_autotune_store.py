@@ -161,7 +161,7 @@ def install(tuner, configs: Sequence, prune: Callable, where: Callable[[], dict]
             apply(read(path), cache, configs, prune, where(), keys, source=f"{ENV_FILE}={path}")
             tuner.cache.update(cache)
             known.update(cache)
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - a choices file only ever saves time: never fail a launch
             _warn_once(("read", path), "%s (ignored; rewritten after the next tuning)", err)
     run = tuner.run
 
@@ -172,8 +172,9 @@ def install(tuner, configs: Sequence, prune: Callable, where: Callable[[], dict]
             known.update(new)
             try:
                 write(path, document(known, where(), keys))
-            except OSError as err:
-                _warn_once(("write", path), "autotune choices not saved to %s: %s", path, err)
+            except Exception as err:  # noqa: BLE001 - (as above)
+                _warn_once(("write", path), "autotune choices not saved to %s: %s: %s", path, type(err).__name__,
+                           err)
         return out
 
     tuner.run = run_and_save

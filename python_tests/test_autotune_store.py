@@ -161,3 +161,22 @@ def test_an_unwritable_environment_file_leaves_the_launches_alone(tmp_path, monk
     with caplog.at_level(logging.WARNING):
         assert t.run() == "launched"
     assert "not saved" in caplog.text and t.cache == {a: kept(a)[0]}
+
+
+def test_a_failing_fingerprint_never_fails_a_launch(tmp_path, monkeypatch, caplog):
+    """Reading the GPU for the fingerprint can fail (a driver error): the file is neither loaded nor saved, the
+    launches go on (logged)."""
+    monkeypatch.setattr(S, "_warned", set())
+    path = str(tmp_path / "choices.json")
+    a = key_of()
+    S.write(path, S.document({a: kept(a)[0]}, HERE, K.AUTOTUNE_KEYS))
+
+    def broken():
+        raise RuntimeError("CUDA driver error")
+
+    t = StandInTuner({key_of(HEAD_DIM=128): kept(key_of(HEAD_DIM=128))[0]})
+    with caplog.at_level(logging.WARNING):
+        S.install(t, K.CUDA_CONFIGS, K.prune_configs, broken, K.AUTOTUNE_KEYS, path=path)
+        assert t.cache == {} and t.run() == "launched"
+    assert caplog.text.count("CUDA driver error") == 2
+    assert [tuple(e["key"]) for e in S.read(path)["entries"]] == [a]  # left as it was
