@@ -105,7 +105,7 @@ SPLIT_ALIGN = CUDA_MAX_BLOCK_N
 # never again at a new history length (each autotune benchmarks every config: about half a second, which a ranking
 # caught behind it would pay). ``relaygr bench kernels`` clears the choices per shape (``reset_autotuning``).
 AUTOTUNE_KEYS = ["HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "CAND_TILES", "HSTU", "HAS_POS", "HAS_TS", "HIST_TABLE",
-                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS", "V_SPLITS_PICK"]
+                 "PERSISTENT", "SPLIT", "KV8", "FAST_SILU", "TMA_READS", "V_SPLITS_PICK", "SKIP_FULL"]
 
 
 def _one_group_rows(c, rows: int) -> bool:

@@ -30,6 +30,11 @@ fewer registers, which bound a tile at head dim 256, for scores computed ``V_SPL
 the tile's rows are shared the same way (``BLOCK_M / M_SPLITS`` each, nothing computed twice): a 128-row tile as two
 programs of one warp group each.
 
+On sm_90 a candidate tile's full cached key blocks may go to the warp-specialised kernel of
+:mod:`relaygr_engine.kernels._hopper` instead (HSTU, whose sum adds up over any split of the keys): this kernel then
+runs with ``SKIP_FULL`` (one program per tile and head), from the user's last partial block of ``SKIP_FULL`` keys on:
+that block, the new history rows and the self term, into the last split's partial, which the other kernel adds to.
+
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
 descriptors), so the same source runs through triton-ascend and Triton's CPU interpreter. Beside it, on sm_90+,
@@ -300,6 +305,8 @@ def prefix_attention_kernel(
     V_SPLITS: tl.constexpr,                           # programs sharing a tile's value columns (grid axis 1)
     M_SPLITS: tl.constexpr,                           # programs sharing a tile's rows (grid axis 1)
     TMA_READS: tl.constexpr, V_SPLITS_PICK: tl.constexpr,  # (read by the autotuner's pruning only: _prefix_config)
+    SKIP_FULL: tl.constexpr = 0,                      # candidate tiles: the cached keys below P // SKIP_FULL *
+                                                      # SKIP_FULL are another kernel's (kernels._hopper)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS
@@ -370,6 +377,8 @@ def prefix_attention_kernel(
 
         # This split's keys [lo, lo + split_len) of the tile's: the cached prefix, then the new history rows it sees.
         lo = tl.multiple_of(split * split_len, 16)  # split_len is a multiple of every BLOCK_N (SPLIT_ALIGN)
+        if SKIP_FULL:  # (one program per tile: from the user's last partial block of SKIP_FULL keys on)
+            lo = tl.multiple_of(prefix_len // SKIP_FULL * SKIP_FULL, 16)
         # 1. Its part [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
         hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)

@@ -40,6 +40,7 @@ from .. import quant
 from ..config import AttentionMode, KVDtype, PageReads, TimeBucket, check_int, parse_choice
 from ..ops import check_time_buckets, time_bucket_bounds
 from . import _common as C
+from . import _hopper_launch as HL
 from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig,
                              autotuned_kernel, load_autotune, page_reads as pick_page_reads, pick_config,
                              reset_autotuning, save_autotune)
@@ -107,7 +108,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                      kv_dtype="model", bias_table_bytes: Optional[int] = None,
                      page_reads="auto", value_splits: Optional[int] = None,
                      concurrent_tiles: Optional[bool] = None,
-                     split_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     split_dtype: Optional[torch.dtype] = None,
+                     hopper_kernel: Optional[bool] = None) -> torch.Tensor:
     """Attention of each user's new history rows and candidates over its cached prefix pages and new rows.
 
     Parameters
@@ -198,6 +200,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         and the merge reads, take half the bytes of fp32; fp32 for an fp32 model
         (:func:`~relaygr_engine.kernels._split.split_dtype`). ``torch.float32`` keeps a 16-bit model's partials at
         fp32.
+    hopper_kernel : bool, optional
+        HSTU candidate tiles' full cached key blocks on the warp-specialised sm_90 kernel
+        (:mod:`~relaygr_engine.kernels._hopper`), the rest on this one. Default (None): ``RELAYGR_HOPPER_KERNEL=1``
+        uses it where it can run; ``True`` raises ``ValueError`` naming why where it cannot. Not yet run on a GPU.
 
     Returns
     -------
@@ -252,6 +258,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
     ws_dtype = pick_split_dtype(split_dtype, q.dtype, device)
+    use_hopper = HL.requested(hopper_kernel)
     reads = parse_choice(PageReads, page_reads, "page_reads")
     if plan is not None:
         if not isinstance(plan, PrefixAttentionPlan):
@@ -294,8 +301,16 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
                          f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
+    hopper = 0  # > 0: the key block of the Hopper kernel taking the candidate tiles' full cached blocks
+    if use_hopper:
+        why = HL.why_not(device=device, hstu=hstu, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
+                         page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
+                         value_splits=value_splits, fixed_block_n=block_n)
+        if why is not None and hopper_kernel:
+            raise ValueError(f"hopper_kernel=True cannot run here: {why}")
+        hopper = HL.block_n(head_dim) if why is None and plan.cand_tiles.shape[1] else 0
     ws = ml = q  # stand-ins without SPLIT (never written)
-    if num_splits > 1:
+    if num_splits > 1 or hopper:  # (the Hopper kernel adds its share to the partials: always through them)
         ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
         ml = ws if hstu else torch.empty((num_splits, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
@@ -341,7 +356,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, C.next_pow2(head_dim)), PAGE_SIZE=page_size,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
-                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent, SPLIT=num_splits > 1,
+                DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent,
+                SPLIT=num_splits > 1 or hopper > 0,
                 KV8=kd.quantized, FAST_SILU=fast_silu, TMA_READS=tma_reads,
                 V_SPLITS_PICK=value_splits or 0)
     if cfg.block_n is None:
@@ -356,14 +372,21 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 if tiles.shape[1] * num_heads > 0]
     with C.device_guard(device), C.tile_streams(device, concurrent) as on:
         for cand, tiles, rows in launches:
-            num_work = tiles.shape[1] * num_heads * num_splits
-            programs = C.num_programs(device, num_work, persistent)
+            skip = hopper if cand else 0  # one program per tile: the rest of its keys, into the last partial
+            work, (splits_of, keys_of) = tiles.shape[1] * num_heads, (
+                (1, C.cdiv(plan.max_context_len, 16) * 16) if skip else (num_splits, split_len))
+            programs = C.num_programs(device, work * splits_of, persistent)
             rows_of = dummy if table is None or not (cand or hist_table) else table if cand else table[user_rows:]
             with on(side=not cand):
-                kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws, ml, num_heads, num_work,
-                                        programs, num_splits, split_len, total_q, *shape, BLOCK_M=rows,
-                                        CAND_TILES=cand, HIST_TABLE=hist_table and not cand, **meta, **extra)
-    if num_splits > 1:
+                kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws[num_splits - 1:] if skip else ws,
+                                        ml, num_heads, work * splits_of, programs, splits_of, keys_of, total_q,
+                                        *shape, BLOCK_M=rows, CAND_TILES=cand, HIST_TABLE=hist_table and not cand,
+                                        SKIP_FULL=skip, **meta, **extra)
+            if skip:  # the full blocks, each split's share added to it (kernels._hopper)
+                HL.launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, tiles, rows,
+                          table if has_pos or has_ts else None, page_size=page_size, num_splits=num_splits,
+                          split_len=split_len, scale=scale, inv_norm=inv_norm)
+    if num_splits > 1 or hopper:
         merge_splits(ws, None if hstu else ml, out)
     return out
 

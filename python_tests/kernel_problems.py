@@ -89,11 +89,12 @@ def attention_kwargs(mode, bias, head_dim, which=("pos", "ts")):
 
 
 def check_attention(args, kw, *, persistent, block_m=None, block_n=None, atol=ATOL, splits=None,
-                    bias_table_bytes=None, page_reads="auto", value_splits=None, split_dtype=None):
+                    bias_table_bytes=None, page_reads="auto", value_splits=None, split_dtype=None,
+                    hopper_kernel=None):
     """The kernel's output against the reference's (within ``atol``); returns it."""
     out = prefix_attention(**args, **kw, persistent=persistent, block_m=block_m, block_n=block_n, splits=splits,
                            bias_table_bytes=bias_table_bytes, page_reads=page_reads, value_splits=value_splits,
-                           split_dtype=split_dtype)
+                           split_dtype=split_dtype, hopper_kernel=hopper_kernel)
     ref = prefix_attention_ref(**args, **kw)
     assert out.shape == ref.shape and out.dtype == args["q"].dtype
     assert torch.isfinite(out).all()

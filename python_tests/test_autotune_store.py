@@ -19,7 +19,7 @@ from relaygr_engine.kernels import prefix_attention as pa  # noqa: E402
 HERE = {"gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "triton": "3.6.0", "kernel": "abc"}
 VALUES = dict(HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=128, CAND_TILES=True, HSTU=True, HAS_POS=True, HAS_TS=True,
               HIST_TABLE=False, PERSISTENT=False, SPLIT=True, KV8=False, FAST_SILU=True, TMA_READS=1,
-              V_SPLITS_PICK=0)
+              V_SPLITS_PICK=0, SKIP_FULL=0)
 
 
 def key_of(**over) -> tuple:

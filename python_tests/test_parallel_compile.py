@@ -97,7 +97,7 @@ def test_autotune_report_names_each_variant_its_kept_config_and_every_candidates
     assert R.variants() == []
     values = dict(HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=128, CAND_TILES=True, HSTU=True, HAS_POS=True, HAS_TS=True,
                   HIST_TABLE=False, PERSISTENT=False, SPLIT=True, KV8=False, FAST_SILU=True,
-                  TMA_READS=K.TMA_EITHER, V_SPLITS_PICK=0)
+                  TMA_READS=K.TMA_EITHER, V_SPLITS_PICK=0, SKIP_FULL=0)
     key = tuple(values[k] for k in K.AUTOTUNE_KEYS) + ("torch.bfloat16",)
     eight = next(c for c in K.CUDA_CONFIGS if c.num_warps == 8 and c.kwargs["TMA"] and c.num_stages == 3
                  and c.kwargs["BLOCK_N"] == 32)

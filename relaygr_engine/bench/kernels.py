@@ -165,7 +165,8 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
               splits: Optional[int] = None, value_splits: Optional[int] = None,
-              concurrent_tiles: Optional[bool] = None, split_dtype: Optional[torch.dtype] = None) -> dict:
+              concurrent_tiles: Optional[bool] = None, split_dtype: Optional[torch.dtype] = None,
+              hopper_kernel: bool = False) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
@@ -175,7 +176,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
-    the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None)."""
+    the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None).
+    ``hopper_kernel``: HSTU candidate tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``)."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import split_dtype as partials_dtype
     from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
@@ -194,7 +196,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
-        concurrent_tiles=concurrent_tiles, split_dtype=split_dtype)
+        concurrent_tiles=concurrent_tiles, split_dtype=split_dtype, hopper_kernel=hopper_kernel)
     used_m = plan.block_m
     used_splits, split_keys, concurrent = schedule(plan, device, shape.heads, splits=splits,
                                                    value_splits=value_splits, concurrent_tiles=concurrent_tiles)
@@ -218,7 +220,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
     row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
-               value_splits=value_splits, concurrent=concurrent,
+               value_splits=value_splits, concurrent=concurrent, hopper_kernel=hopper_kernel,
                split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
                time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
@@ -303,6 +305,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--split-dtype", default="model",
                     help="the split partials' dtype: model (the launcher's: the model's, bf16 on CUDA; fp32 in the "
                          "interpreter) and/or fp32, fp16, bf16, comma-separated to compare, e.g. model,fp32")
+    ap.add_argument("--hopper-kernel", default="no",
+                    help="HSTU candidate tiles' full cached blocks on the warp-specialised sm_90 kernel (yes) or "
+                         "the portable one (no): comma-separated to compare, e.g. no,yes (yes: HSTU shapes on an "
+                         "sm_90 GPU only; softmax shapes run once, with no)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -339,6 +345,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                             {"model": None, **{name: d for d, name in SHORT_DTYPE_NAMES.items()}})
     if torch.bfloat16 in split_dtypes and cpu:
         ap.error("--split-dtype bf16 cannot run in the CPU interpreter (numpy has no bf16)")
+    hoppers = _choices(ap, "--hopper-kernel", opts.hopper_kernel, {"no": False, "yes": True})
+    if True in hoppers and cpu:
+        ap.error("--hopper-kernel yes needs an sm_90 GPU")
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
@@ -355,12 +364,14 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    for shape, block_m, n_splits, n_v, cc, sd in itertools.product(shapes, block_ms, splits, v_splits, concurrent,
-                                                                   split_dtypes):
+    for shape, block_m, n_splits, n_v, cc, sd, hk in itertools.product(shapes, block_ms, splits, v_splits,
+                                                                       concurrent, split_dtypes, hoppers):
+        if hk and shape.mode != "hstu":
+            continue
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,
-                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd)
+                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd, hopper_kernel=hk)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2

@@ -14,7 +14,8 @@ NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
         "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
-        "partials' dtype. On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "partials' dtype; hk: HSTU candidate tiles' full cached blocks on the sm_90 kernel (y) or the portable "
+        "one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -26,7 +27,8 @@ def _geo(xs: list) -> Optional[float]:
 
 
 def header(cuda: bool) -> str:
-    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'cc':>2} {'SD':>4} {'ms':>8} {'TFLOP/s':>8} "
+    head = (f"{'shape':<62} {'BM':>4} {'S':>3} {'keys/S':>6} {'V':>2} {'cc':>2} {'SD':>4} {'hk':>2} {'ms':>8} "
+            f"{'TFLOP/s':>8} "
             f"{'GB/s':>8} {'vs_gath':>8} {'vs_recomp':>9} {'paged_ovh':>9} {'plan_ms':>8} {'err':>8}")
     return head + (f" {'%matmul':>8} {'vs_flashinfer':>13}" if cuda else "")
 
@@ -39,6 +41,7 @@ def row_line(r: dict) -> str:
     line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
             f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
             f"{r.get('split_dtype') or '-':>4} "
+            f"{'-' if 'hopper_kernel' not in r else 'ny'[bool(r['hopper_kernel'])]:>2} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
             f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -77,13 +80,19 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
+    summary.update(_geomean_by(rows, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
         # measured in its run for its own FLOPs).
+        # (The rows on the sm_90 candidate kernel, where a run compares it, in their own field: ..._hopper.)
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
         for m in modes:
-            summary[f"matmul_fraction_long_{m}"] = _geo([r["matmul_fraction"] for r in long if r["mode"] == m])
+            summary[f"matmul_fraction_long_{m}"] = _geo([r["matmul_fraction"] for r in long
+                                                         if r["mode"] == m and not r.get("hopper_kernel")])
+        if any(r.get("hopper_kernel") for r in long):
+            summary["matmul_fraction_long_hstu_hopper"] = _geo([r["matmul_fraction"] for r in long
+                                                                if r.get("hopper_kernel")])
     return summary
 
 

@@ -181,7 +181,8 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=split,
                       KV8=KVDtype(kv_dtype).quantized,
                       FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
-                      TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits, M_SPLITS=m_splits)
+                      TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits, M_SPLITS=m_splits,
+                      SKIP_FULL=0)
     types = attention_types("*" + dtype)
     if tma:
         types["kv_desc"] = f"tensordesc<{dtype}[{block_n}, {head_dim}]>"
@@ -349,6 +350,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
                     help="pages in the model's dtype (model) or 8-bit with per-token scales")
+    ap.add_argument("--hopper", action="store_true",
+                    help="instead, the sm_90 warp-specialised HSTU candidate kernel (kernels/_hopper.py, Gluon) at "
+                         "head dims 64, 128 and 256 (relaygr_engine/bench/ptxas_hopper.py)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
@@ -366,6 +370,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if interpreter_requested():
         print("error: TRITON_INTERPRET is set; unset it to compile for a GPU target", file=sys.stderr)
         return 2
+    if opts.hopper:
+        from . import ptxas_hopper
+
+        return ptxas_hopper.main(opts.arch, opts.json)
     import triton
 
     no_yes_both = {"no": (False,), "yes": (True,), "both": (False, True)}

@@ -1,0 +1,227 @@
+"""HSTU candidate tiles on Hopper (sm_90), warp-specialised, in Gluon: the cached prefix's full key blocks.
+
+Beside the portable kernel (:mod:`relaygr_engine.kernels._prefix_kernel`), which runs everywhere (the interpreter,
+triton-ascend) and takes every other case, this kernel takes the bulk of a ranking's work on sm_90: candidate rows
+(all of a user's candidates share one query position and time, so HSTU's bias is one ``[BLOCK_N]`` row of the bias
+table per key block) against the **full** key blocks of the cached prefix, ``[0, P // BLOCK_N * BLOCK_N)``, which
+need no mask. Triton's portable kernel keeps both warp groups of a tile in lock step (three CTA barriers per key
+block, the QK product waited on before SiLU); here each program is one warp group of 64 rows and one loader warp:
+
+- the **loader** (1 warp, few registers) streams a key block's K and V rows of one head through TMA (one copy each:
+  a block lies in one page, NHD pages make its rows one strided box) into a ring of ``STAGES`` buffers, each
+  guarded by a pair of mbarriers (filled / free), reading the page table as it goes;
+- the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), applies
+  ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``), multiplies by V into
+  its fp32 accumulator, and frees the buffer, without a CTA barrier: two programs on one SM (``maxnreg`` sized for
+  it) interleave their tensor-core and SiLU phases.
+
+HSTU's sum is pointwise, so the rest of a candidate tile's keys (the prefix's last partial block, the new history
+rows, the candidate's own key) add up separately: the portable kernel computes them (``SKIP_FULL``) into the last
+split's partial, and this kernel's last split adds its share to it (``ACCUMULATE``); the split merge then sums the
+splits as usual (:mod:`relaygr_engine.kernels._split`). Each program writes one split's partial ``[64, D]`` of one
+head, ``acc / N`` in the partials' dtype.
+
+Gluon has no CPU interpreter: the kernel is compiled for sm_90 offline in the tests (registers, spills, shared
+memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper_cuda.py``).
+"""
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# TMA's global-to-shared copy: ``async_load`` in Triton 3.7+, ``async_copy_global_to_shared`` before (3.6, the GPU
+# machines' Triton; removed since)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
+LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
+
+
+@gluon.jit
+def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, kv_indptr_ptr, kv_last_ptr, num_heads, num_splits,
+          split_len, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, M_PARTS: gl.constexpr):
+    """What program ``pid`` computes: its split, head, user, first row (of the user's segment), the user's first
+    row of q and page-table entry, and its key blocks ``[lo, lo + n_blocks * BLOCK_N)`` (full blocks of the
+    cached prefix, none for a padding tile). The loader and the compute partition both call it."""
+    split = pid % num_splits
+    rest = pid // num_splits
+    head = rest % num_heads
+    rest = rest // num_heads
+    tile = rest // M_PARTS
+    user = gl.load(tile_user_ptr + tile)
+    row0 = gl.load(tile_row_ptr + tile) + (rest % M_PARTS) * SUB_M
+    q_start = gl.load(cu_q_ptr + user)
+    seqlen = gl.load(cu_q_ptr + user + 1) - q_start
+    page_lo = gl.load(kv_indptr_ptr + user)
+    n_pages = gl.load(kv_indptr_ptr + user + 1) - page_lo
+    last = gl.load(kv_last_ptr + user)
+    prefix_len = gl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + last, 0)
+    full = prefix_len // BLOCK_N * BLOCK_N
+    lo = split * split_len
+    hi = gl.where(row0 < seqlen, gl.minimum(lo + split_len, full), lo)
+    n_blocks = gl.maximum(hi - lo, 0) // BLOCK_N
+    return split, head, user, row0, q_start, seqlen, page_lo, lo, n_blocks
+
+
+@gluon.jit
+def _load_blocks(kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
+                 PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp: key block ``i``'s K and V rows of ``head`` into ring buffer ``i % STAGES`` once it is
+    free, signalling ``ready`` when both copies land."""
+    for i in range(n_blocks):
+        stage = i % STAGES
+        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)  # (a new barrier counts as freed once)
+        start = lo + i * BLOCK_N
+        page = gl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE)
+        row = page * (2 * PAGE_SIZE) + start % PAGE_SIZE          # K's row in the [pages * 2 * P, H * D] view
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * kv_desc.dtype.primitive_bitwidth // 8)
+        _tma_load(kv_desc, [row, head * HEAD_DIM], bar, k_bufs.index(stage))
+        _tma_load(kv_desc, [row + PAGE_SIZE, head * HEAD_DIM], bar, v_bufs.index(stage))
+
+
+@gluon.jit
+def _tanh(x):
+    """``tanh(x)`` in one special-function instruction (PTX ``tanh.approx.f32``)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_blocks, half_scale, inv_norm,
+                   split, num_splits, head, num_heads, total_q, q_start, row0, seqlen,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   ACCUMULATE: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+                   O_PARTS: gl.constexpr):
+    """The compute warp group: ``sum_j SiLU(q.k_j scale + bias_j) v_j / N`` over the key blocks in fp32
+    (``SiLU`` as ``h + h tanh(h)`` of ``h`` halved; the table's biases come halved), stored as this split's
+    partial ``[64, D]`` of the head, plus (``ACCUMULATE``, the last split) what the portable kernel stored there.
+    (The store is here, inside the partition's raised register budget: the accumulator alone is 128 registers a
+    thread at head dim 256.)"""
+    PART: gl.constexpr = HEAD_DIM // O_PARTS  # value columns per accumulator (one wgmma's N: at most 128 here)
+    acc0 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)
+    acc1 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)  # (O_PARTS == 2 only)
+    s0 = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    for i in range(n_blocks):
+        stage = i % STAGES
+        k = k_bufs.index(stage)
+        v = v_bufs.index(stage)
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k.permute((1, 0)), s0, use_acc=False, is_async=True)
+        bias = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, S_LAYOUT))
+        if HAS_BIAS:  # (loaded while the product runs)
+            bias = gl.load(tb_row + lo + i * BLOCK_N + offs_n)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        h = s * half_scale + gl.expand_dims(bias, 0)
+        p = gl.convert_layout((h + h * _tanh(h)).to(q_smem.dtype), p_layout)
+        if O_PARTS == 1:
+            acc0 = warpgroup_mma(p, v, acc0, is_async=True)
+            acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+        else:
+            acc0 = warpgroup_mma(p, v.slice(0, PART, dim=1), acc0, is_async=True)
+            acc1 = warpgroup_mma(p, v.slice(PART, PART, dim=1), acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        mbarrier.arrive(free.index(stage), count=1)
+
+    _store_part(acc0, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, 0,
+                HEAD_DIM, ACCUMULATE, O_LAYOUT)
+    if O_PARTS == 2:
+        _store_part(acc1, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen,
+                    PART, HEAD_DIM, ACCUMULATE, O_LAYOUT)
+
+
+@gluon.jit
+def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, col0,
+                HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """Columns ``[col0, col0 + PART)`` of this split's partial ``[64, D]``: ``acc / N``, plus (``ACCUMULATE``, the
+    last split) what the portable kernel stored there."""
+    om = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
+    od = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, O_LAYOUT))
+    ws_rows = ((split * total_q + q_start + row0 + om) * num_heads + head).to(gl.int64)
+    ptrs = ws_ptr + gl.expand_dims(ws_rows * HEAD_DIM, 1) + gl.expand_dims(od, 0)
+    ok = gl.expand_dims(row0 + om < seqlen, 1)
+    out = acc * inv_norm
+    if ACCUMULATE:
+        if split == num_splits - 1:
+            out += gl.load(ptrs, mask=ok, other=0.0).to(gl.float32)
+    gl.store(ptrs, out.to(ws_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def hopper_cand_kernel(
+    q_ptr, ws_ptr, kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr,
+    tile_user_ptr, tile_row_ptr,                      # the candidate tiles (int32 [n])
+    tb_ptr,                                           # HAS_BIAS: the bias table's candidate rows [B, stride_tb] fp32
+    num_heads, num_splits, split_len, total_q, stride_qt, stride_qh, stride_tb, scale, inv_norm,
+    HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+    M_PARTS: gl.constexpr,                            # programs per tile: its rows in parts of 64
+    Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+    O_PARTS: gl.constexpr,                            # accumulators of D / O_PARTS value columns (2 above D = 128)
+):
+    pid = gl.program_id(0)
+    split, head, user, row0, q_start, seqlen, page_lo, lo, n_blocks = _work(
+        pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, kv_indptr_ptr, kv_last_ptr, num_heads, num_splits, split_len,
+        PAGE_SIZE, BLOCK_N, M_PARTS)
+
+    # q's 64 rows of this head into shared memory (rows past the user's candidates are zeros; not stored)
+    qm = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, Q_LAYOUT))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_LAYOUT))
+    q_rows = (q_start + row0 + qm).to(gl.int64)
+    q = gl.load(q_ptr + gl.expand_dims(q_rows * stride_qt + head * stride_qh, 1) + gl.expand_dims(qd, 0),
+                mask=gl.expand_dims(row0 + qm < seqlen, 1), other=0.0)
+    q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [SUB_M, HEAD_DIM], Q_SMEM)
+    q_smem.store(q)
+    k_bufs = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
+    v_bufs = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+    fence_async_shared()  # q's store and the barriers' init before the async proxy (wgmma, TMA) reads them
+
+    tb_row = tb_ptr + user.to(gl.int64) * stride_tb
+    gl.warp_specialize([
+        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_blocks, scale * 0.5, inv_norm,
+                          split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, BLOCK_N, HEAD_DIM,
+                          STAGES, HAS_BIAS, ACCUMULATE, S_LAYOUT, O_LAYOUT, O_PARTS)),
+        (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
+                        PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [1], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(free.index(s))
+
+
+# ------------------------------------------------------------------------------------------------ configs
+# Per head dim: (BLOCK_N, STAGES, MAXNREG). A program is 8 warps (the compute warp group and the loader's, of which
+# one warp runs), so MAXNREG x 256 registers each; the loader drops to LOADER_REGS and the compute group takes the
+# rest (up to 232 at 128). Sized for several programs per SM (registers and shared memory, sm_90: 64K registers,
+# 227 KB): head dim 64 three (80 registers, 57 KB), 128 two (128, 82 KB), 256 two (128, 98 KB: 32-key blocks).
+# Static figures (``python_tests/test_hopper_static.py``): no spill at these with Triton 3.6 or 3.9.
+CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
+
+
+def layouts(head_dim: int, block_n: int, dtype=gl.bfloat16) -> dict:
+    """The kernel's layout constexprs for ``head_dim`` and ``block_n``: q's load (16-byte vectors along a row),
+    its shared-memory tile (the wgmma operand's swizzle), and the wgmma accumulators of the scores ``[64, BN]`` and
+    the output ``[64, D]`` (one warp group, instruction height 16)."""
+    cols = min(32, head_dim // 8)
+    return dict(Q_LAYOUT=gl.BlockedLayout([1, 8], [32 // cols, cols], [4, 1], [1, 0]),
+                Q_SMEM=gl.NVMMASharedLayout.get_default_for([SUB_M, head_dim], dtype),
+                S_LAYOUT=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]),
+                O_LAYOUT=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, min(head_dim, 128), 16]),
+                O_PARTS=max(1, head_dim // 128))
+
+
+def kv_layout(head_dim: int, block_n: int, dtype=gl.bfloat16):
+    """The shared-memory layout of a key block's K or V ``[block_n, head_dim]`` (TMA's destination, wgmma's B)."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
+

@@ -1,0 +1,176 @@
+"""The sm_90 candidate kernel (kernels/_hopper.py) and its place beside the portable one.
+
+Without an sm_90 GPU: the split of a candidate tile's keys between the two kernels (the portable kernel's
+``SKIP_FULL`` share in the interpreter, the Hopper kernel's through its torch twin ``emulate``) adds up to the
+reference exactly; what may and may not run it; and its offline compile for sm_90 (registers, spills, shared memory,
+instruction mix). On one, the kernel itself against the reference (``gpu`` tests, skipped here).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from kernel_problems import attention_kwargs, check_attention, gpu, make_problem, needs_cuda, needs_interpreter
+
+from relaygr_engine.kernels import _hopper_launch as HL
+from relaygr_engine.kernels import prefix_attention as pa
+from relaygr_engine.kernels.reference import prefix_attention_ref
+
+USERS = [(45, 20, 9), (16, 3, 0), (0, 7, 5), (33, 0, 17), (64, 2, 3), (100, 1, 40)]
+
+
+def stand_in(monkeypatch, launch=None, key_block=16):
+    """Let the Hopper path run here: nothing refused, a 16-key block, its share computed by the torch twin."""
+    monkeypatch.setattr(HL, "why_not", lambda **kw: None)
+    monkeypatch.setattr(HL, "block_n", lambda head_dim: key_block)
+    monkeypatch.setattr(HL, "launch", launch or functools.partial(HL.emulate, halved=False, key_block=key_block))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("which", [("pos", "ts"), ("pos",), ()])
+def test_the_two_kernels_shares_add_up_to_the_reference(which, monkeypatch):
+    """Candidate tiles' full cached blocks by the Hopper kernel's twin, the rest (the last partial block, the new
+    history, the self term) by the portable kernel with SKIP_FULL into the last split, history tiles as ever:
+    the reference's within 1e-4, split or not, 16- and 32-key blocks, with and without the bias table (had the
+    portable kernel not skipped the full blocks, the twin's share would count them twice). Without the twin's
+    share it fails."""
+    args, bias = make_problem(USERS, 16, 2, 32, seed=3)
+    kw = attention_kwargs("hstu", bias, 32, which)
+    for key_block, splits in ((16, None), (16, 3), (32, 2)):
+        stand_in(monkeypatch, key_block=key_block)
+        for block_m in (16, 32):
+            check_attention(args, kw, persistent=False, block_m=block_m, block_n=16, splits=splits,
+                            hopper_kernel=True)
+    stand_in(monkeypatch, launch=lambda *a, **k: None)  # the Hopper share missing
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, block_m=16, block_n=16, splits=2, hopper_kernel=True)
+
+
+def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
+    monkeypatch.delenv(HL.ENV, raising=False)
+    assert not HL.requested(None) and HL.requested(True) and not HL.requested(False)
+    for on in ("1", "true", "ON", "yes"):
+        monkeypatch.setenv(HL.ENV, on)
+        assert HL.requested(None) and not HL.requested(False)
+    monkeypatch.setenv(HL.ENV, "0")
+    assert not HL.requested(None)
+    with pytest.raises(ValueError, match="hopper_kernel must be a bool or None, got 'yes'"):
+        HL.requested("yes")
+
+
+def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
+    cache = torch.zeros(4, 2, 64, 4, 256, dtype=torch.bfloat16)
+    ok = dict(device=torch.device("cuda"), hstu=True, dtype=torch.bfloat16, quantized=False, head_dim=256,
+              page_size=64, block_m=128, kv_cache=cache, persistent=False, value_splits=None, fixed_block_n=None)
+    assert "CUDA device" in HL.why_not(**dict(ok, device=torch.device("cpu")))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "sm_90" in HL.why_not(**ok)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    assert HL.why_not(**ok) is None
+    for change, words in ((dict(hstu=False), "hstu"), (dict(dtype=torch.float32), "bf16 or fp16"),
+                          (dict(quantized=True), "model's dtype"), (dict(head_dim=96), "head dim"),
+                          (dict(page_size=48), "page_size"), (dict(block_m=32), "64 or 128 rows"),
+                          (dict(persistent=True), "persistent"), (dict(value_splits=2), "value splits"),
+                          (dict(fixed_block_n=32), "block_n")):
+        assert words in HL.why_not(**dict(ok, **change)), change
+
+
+@needs_interpreter
+def test_asked_where_it_cannot_run_it_refuses_or_steps_aside(monkeypatch):
+    """``hopper_kernel=True`` on the CPU: ``ValueError`` with the reason, before anything runs; the environment
+    variable there: the portable kernel alone, the same result as without it."""
+    args, bias = make_problem(USERS[:3], 16, 2, 32, seed=5)
+    kw = attention_kwargs("hstu", bias, 32)
+    with pytest.raises(ValueError, match="hopper_kernel=True cannot run here: needs a CUDA device"):
+        pa.prefix_attention(**args, **kw, hopper_kernel=True)
+    plain = pa.prefix_attention(**args, **kw)
+    monkeypatch.setenv(HL.ENV, "1")
+    torch.testing.assert_close(pa.prefix_attention(**args, **kw), plain, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- offline compile
+@pytest.mark.parametrize("head_dim, per_sm", [(64, 3), (128, 2), (256, 2)])
+def test_compiles_for_sm90_spill_free_several_programs_per_sm(head_dim, per_sm):
+    """Static, no GPU: the kernel's config at each head dim compiles for sm_90 with no spill or local access, its
+    registers (8 warps a program) and shared memory fit ``per_sm`` programs on an SM, its key loop issues wgmma
+    and one tanh per score, and its K/V arrive through TMA."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from relaygr_engine.bench.ptxas import ptxas_report
+    from relaygr_engine.bench.sass import instruction_mix
+    from relaygr_engine.kernels import _hopper as H
+
+    kernel = HL.compile_static(head_dim)
+    regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"])
+    whole, loop = instruction_mix(kernel.asm["cubin"])
+    block_n = H.CONFIGS[head_dim][0]
+    assert (spill_st, spill_ld, whole.local, loop.local) == (0, 0, 0, 0)
+    assert regs * 256 * per_sm <= 65536 and kernel.metadata.shared * per_sm <= 232448
+    assert "setmaxnreg" in kernel.asm["ptx"]  # the loader warp gives its registers to the compute group
+    assert loop.mma > 0 and loop.special * 128 == 64 * block_n and whole.async_copies > 0
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim):
+    """On sm_90 (skipped elsewhere): the candidate tiles' full blocks on the Hopper kernel, split or not, eagerly
+    and replayed in a CUDA graph, within bf16 tolerance of the reference; its partials equal its torch twin's."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
+    args, bias = make_problem(users, 64, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs("hstu", bias, head_dim)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    for splits in (None, 1, 5):
+        out = pa.prefix_attention(**args, **kw, splits=splits, hopper_kernel=True)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"splits={splits}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pa.prefix_attention(**args, **kw, hopper_kernel=True)
+    graph.replay()
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
+    """``bench kernels --hopper-kernel no,yes``: one geomean time per setting and the long shapes' matmul fraction
+    of each in its own field (the portable kernel's as before)."""
+    from relaygr_engine.bench import kernels_summary as S
+
+    def row(hk, ms, frac):
+        return dict(shape="x", mode="hstu", block_m=128, speedup_vs_gathered=1.0, speedup_vs_recompute=2.0,
+                    paged_overhead=0.0, max_abs_err=1e-3, time_ms=ms, prefix=4096, new=32, cands=256, users=4,
+                    matmul_fraction=frac, hopper_kernel=hk, tflops=100.0, gbps=1.0, plan_ms=0.1,
+                    speedup_vs_flashinfer=None, flashinfer_note="-")
+
+    summary = S.summarize([row(False, 2.0, 0.25), row(True, 1.0, 0.5)], device="cuda", dtype="bfloat16")
+    assert summary["geomean_ms_hopper_no"] == 2.0 and summary["geomean_ms_hopper_yes"] == 1.0
+    assert summary["matmul_fraction_long_hstu"] == 0.25 and summary["matmul_fraction_long_hstu_hopper"] == 0.5
+    assert "hk" in S.header(True) and S.row_line(row(True, 1.0, 0.5)).split()[7] == "y"
+    plain = S.summarize([row(False, 2.0, 0.25)], device="cuda", dtype="bfloat16")
+    assert "geomean_ms_hopper_no" not in plain and "matmul_fraction_long_hstu_hopper" not in plain
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
+    """On sm_90: the kernel alone against ``emulate`` on the same split partials (random bias rows, 3 splits, the
+    last added to what is there): within bf16 tolerance, and nothing else of ``ws`` touched."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (300, 3, 1)]
+    args, _ = make_problem(users, 64, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
+    plan = pa.plan_prefix_attention(**{n: args[n] for n in meta}, kv_cache=args["kv_cache"])
+    table = torch.randn(len(users), 1024 + 128, device="cuda") * 0.25
+    ws = torch.randn(3, *args["q"].shape, device="cuda").to(torch.bfloat16)
+    twin = ws.clone()
+    common = (args["q"], None, args["kv_cache"], args["kv_indices"], args["kv_indptr"], args["kv_last_page_len"],
+              args["cu_seqlens_q"], plan.cand_tiles, plan.block_m, table)
+    kw = dict(page_size=64, num_splits=3, split_len=448, scale=head_dim ** -0.5, inv_norm=1 / 64)
+    HL.launch(*common[:1], ws, *common[2:], **kw)
+    HL.emulate(*common[:1], twin, *common[2:], **kw, halved=True)
+    torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2)
