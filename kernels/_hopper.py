@@ -1,28 +1,31 @@
-"""HSTU candidate tiles on Hopper (sm_90), warp-specialised, in Gluon: the cached prefix's full key blocks.
+"""HSTU on Hopper (sm_90), warp-specialised, in Gluon: a tile's rows against the full key blocks of its user's
+cached prefix.
 
 Beside the portable kernel (:mod:`relaygr_engine.kernels._prefix_kernel`), which runs everywhere (the interpreter,
-triton-ascend) and takes every other case, this kernel takes the bulk of a ranking's work on sm_90: candidate rows
-(all of a user's candidates share one query position and time, so HSTU's bias is one ``[BLOCK_N]`` row of the bias
-table per key block) against the **full** key blocks of the cached prefix, ``[0, P // BLOCK_N * BLOCK_N)``, which
-need no mask. Triton's portable kernel keeps both warp groups of a tile in lock step (three CTA barriers per key
-block, the QK product waited on before SiLU); here each program is one warp group of 64 rows and one loader warp:
+triton-ascend) and takes every other case, this kernel takes the bulk of a ranking's work on sm_90: the **full** key
+blocks of the cached prefix, ``[0, P // BLOCK_N * BLOCK_N)``, which every row of a tile sees (candidates and new
+history rows alike: the cached keys precede them all), so they need no mask. HSTU's bias comes from the bias
+table: for a candidate tile one row (all of a user's candidates share a query position and time), one ``[BLOCK_N]``
+load per key block; for a history tile one row per query row. Triton's portable kernel keeps both warp groups of a
+tile in lock step (three CTA barriers per key block, the QK product waited on before SiLU); here each program is
+one warp group of 64 rows and one loader warp:
 
 - the **loader** (1 warp, few registers) streams a key block's K and V rows of one head through TMA (one copy each:
   a block lies in one page, NHD pages make its rows one strided box) into a ring of ``STAGES`` buffers, each
   guarded by a pair of mbarriers (filled / free), reading the page table as it goes;
 - the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), applies
   ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``), multiplies by V into
-  its fp32 accumulator, and frees the buffer, without a CTA barrier: two programs on one SM (``maxnreg`` sized for
-  it) interleave their tensor-core and SiLU phases.
+  its fp32 accumulator, and frees the buffer, without a CTA barrier: two or three programs on one SM (``maxnreg``
+  sized for it) interleave their tensor-core and SiLU phases.
 
-HSTU's sum is pointwise, so the rest of a candidate tile's keys (the prefix's last partial block, the new history
-rows, the candidate's own key) add up separately: the portable kernel computes them (``SKIP_FULL``) into the last
-split's partial, and this kernel's last split adds its share to it (``ACCUMULATE``); the split merge then sums the
-splits as usual (:mod:`relaygr_engine.kernels._split`). Each program writes one split's partial ``[64, D]`` of one
-head, ``acc / N`` in the partials' dtype.
+HSTU's sum is pointwise, so the rest of a tile's keys (the prefix's last partial block, the new history rows, a
+candidate's own key) add up separately: the portable kernel computes them (``SKIP_FULL``) into the last split's
+partial, and this kernel's last split adds its share to it (``ACCUMULATE``); the split merge then sums the splits
+as usual (:mod:`relaygr_engine.kernels._split`). Each program writes one split's partial ``[64, D]`` of one head,
+``acc / N`` in the partials' dtype.
 
 Gluon has no CPU interpreter: the kernel is compiled for sm_90 offline in the tests (registers, spills, shared
-memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper_cuda.py``).
+memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper.py``).
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the m
 
 
 @gluon.jit
-def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, kv_indptr_ptr, kv_last_ptr, num_heads, num_splits,
-          split_len, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, M_PARTS: gl.constexpr):
-    """What program ``pid`` computes: its split, head, user, first row (of the user's segment), the user's first
-    row of q and page-table entry, and its key blocks ``[lo, lo + n_blocks * BLOCK_N)`` (full blocks of the
-    cached prefix, none for a padding tile). The loader and the compute partition both call it."""
+def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, num_cand_ptr, kv_indptr_ptr, kv_last_ptr, num_heads,
+          num_splits, split_len, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, M_PARTS: gl.constexpr,
+          CAND_TILES: gl.constexpr):
+    """What program ``pid`` computes: its split, head, first row of the bias table, first row (of the user's
+    segment) and the end of its tile kind's rows, the user's first row of q and page-table entry, and its key
+    blocks ``[lo, lo + n_blocks * BLOCK_N)`` (full blocks of the cached prefix, none for a padding tile). The
+    loader and the compute partition both call it."""
     split = pid % num_splits
     rest = pid // num_splits
     head = rest % num_heads
@@ -55,15 +60,21 @@ def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, kv_indptr_ptr, kv_last_ptr
     row0 = gl.load(tile_row_ptr + tile) + (rest % M_PARTS) * SUB_M
     q_start = gl.load(cu_q_ptr + user)
     seqlen = gl.load(cu_q_ptr + user + 1) - q_start
+    if CAND_TILES:  # candidates: rows up to the segment's end, one table row per user
+        row_end = seqlen
+        tb_row0 = user
+    else:           # history tiles: the new history rows, a table row per tile row
+        row_end = seqlen - gl.load(num_cand_ptr + user)
+        tb_row0 = tile * (M_PARTS * SUB_M) + (rest % M_PARTS) * SUB_M
     page_lo = gl.load(kv_indptr_ptr + user)
     n_pages = gl.load(kv_indptr_ptr + user + 1) - page_lo
     last = gl.load(kv_last_ptr + user)
     prefix_len = gl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + last, 0)
     full = prefix_len // BLOCK_N * BLOCK_N
     lo = split * split_len
-    hi = gl.where(row0 < seqlen, gl.minimum(lo + split_len, full), lo)
+    hi = gl.where(row0 < row_end, gl.minimum(lo + split_len, full), lo)
     n_blocks = gl.maximum(hi - lo, 0) // BLOCK_N
-    return split, head, user, row0, q_start, seqlen, page_lo, lo, n_blocks
+    return split, head, tb_row0, row0, row_end, q_start, page_lo, lo, n_blocks
 
 
 @gluon.jit
@@ -91,11 +102,11 @@ def _tanh(x):
 
 
 @gluon.jit
-def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_blocks, half_scale, inv_norm,
-                   split, num_splits, head, num_heads, total_q, q_start, row0, seqlen,
+def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, lo, n_blocks,
+                   half_scale, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   ACCUMULATE: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-                   O_PARTS: gl.constexpr):
+                   CAND_TILES: gl.constexpr, ACCUMULATE: gl.constexpr, S_LAYOUT: gl.constexpr,
+                   O_LAYOUT: gl.constexpr, O_PARTS: gl.constexpr):
     """The compute warp group: ``sum_j SiLU(q.k_j scale + bias_j) v_j / N`` over the key blocks in fp32
     (``SiLU`` as ``h + h tanh(h)`` of ``h`` halved; the table's biases come halved), stored as this split's
     partial ``[64, D]`` of the head, plus (``ACCUMULATE``, the last split) what the portable kernel stored there.
@@ -106,6 +117,12 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_bl
     acc1 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)  # (O_PARTS == 2 only)
     s0 = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    # The bias table: a candidate tile's one row (its user's), a history tile's 64 rows (one per query row).
+    if CAND_TILES:
+        tb = tb_ptr + tb_row0.to(gl.int64) * stride_tb + offs_n                                    # [BN]
+    else:
+        tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        tb = tb_ptr + gl.expand_dims(tb_rows.to(gl.int64) * stride_tb, 1) + gl.expand_dims(offs_n, 0)  # [64, BN]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     for i in range(n_blocks):
         stage = i % STAGES
@@ -113,11 +130,15 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_bl
         v = v_bufs.index(stage)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         s = warpgroup_mma(q_smem, k.permute((1, 0)), s0, use_acc=False, is_async=True)
-        bias = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, S_LAYOUT))
         if HAS_BIAS:  # (loaded while the product runs)
-            bias = gl.load(tb_row + lo + i * BLOCK_N + offs_n)
+            bias = gl.load(tb + lo + i * BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        h = s * half_scale + gl.expand_dims(bias, 0)
+        h = s * half_scale
+        if HAS_BIAS:
+            if CAND_TILES:
+                h = h + gl.expand_dims(bias, 0)
+            else:
+                h = h + bias
         p = gl.convert_layout((h + h * _tanh(h)).to(q_smem.dtype), p_layout)
         if O_PARTS == 1:
             acc0 = warpgroup_mma(p, v, acc0, is_async=True)
@@ -128,15 +149,15 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_bl
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         mbarrier.arrive(free.index(stage), count=1)
 
-    _store_part(acc0, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, 0,
+    _store_part(acc0, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end, 0,
                 HEAD_DIM, ACCUMULATE, O_LAYOUT)
     if O_PARTS == 2:
-        _store_part(acc1, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen,
+        _store_part(acc1, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
                     PART, HEAD_DIM, ACCUMULATE, O_LAYOUT)
 
 
 @gluon.jit
-def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, col0,
+def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end, col0,
                 HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, O_LAYOUT: gl.constexpr):
     """Columns ``[col0, col0 + PART)`` of this split's partial ``[64, D]``: ``acc / N``, plus (``ACCUMULATE``, the
     last split) what the portable kernel stored there."""
@@ -144,7 +165,7 @@ def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total
     od = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, O_LAYOUT))
     ws_rows = ((split * total_q + q_start + row0 + om) * num_heads + head).to(gl.int64)
     ptrs = ws_ptr + gl.expand_dims(ws_rows * HEAD_DIM, 1) + gl.expand_dims(od, 0)
-    ok = gl.expand_dims(row0 + om < seqlen, 1)
+    ok = gl.expand_dims(row0 + om < row_end, 1)
     out = acc * inv_norm
     if ACCUMULATE:
         if split == num_splits - 1:
@@ -153,28 +174,28 @@ def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total
 
 
 @gluon.jit
-def hopper_cand_kernel(
-    q_ptr, ws_ptr, kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr,
-    tile_user_ptr, tile_row_ptr,                      # the candidate tiles (int32 [n])
-    tb_ptr,                                           # HAS_BIAS: the bias table's candidate rows [B, stride_tb] fp32
+def hopper_kernel(
+    q_ptr, ws_ptr, kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
+    tile_user_ptr, tile_row_ptr,                      # the tiles (int32 [n]) of one kind (CAND_TILES)
+    tb_ptr,                                           # HAS_BIAS: the bias table's rows of that kind [.., stride_tb]
     num_heads, num_splits, split_len, total_q, stride_qt, stride_qh, stride_tb, scale, inv_norm,
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+    HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, ACCUMULATE: gl.constexpr,
     M_PARTS: gl.constexpr,                            # programs per tile: its rows in parts of 64
     Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     O_PARTS: gl.constexpr,                            # accumulators of D / O_PARTS value columns (2 above D = 128)
 ):
     pid = gl.program_id(0)
-    split, head, user, row0, q_start, seqlen, page_lo, lo, n_blocks = _work(
-        pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, kv_indptr_ptr, kv_last_ptr, num_heads, num_splits, split_len,
-        PAGE_SIZE, BLOCK_N, M_PARTS)
+    split, head, tb_row0, row0, row_end, q_start, page_lo, lo, n_blocks = _work(
+        pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, num_cand_ptr, kv_indptr_ptr, kv_last_ptr, num_heads, num_splits,
+        split_len, PAGE_SIZE, BLOCK_N, M_PARTS, CAND_TILES)
 
-    # q's 64 rows of this head into shared memory (rows past the user's candidates are zeros; not stored)
+    # q's 64 rows of this head into shared memory (rows past the tile kind's are zeros; not stored)
     qm = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, Q_LAYOUT))
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_LAYOUT))
     q_rows = (q_start + row0 + qm).to(gl.int64)
     q = gl.load(q_ptr + gl.expand_dims(q_rows * stride_qt + head * stride_qh, 1) + gl.expand_dims(qd, 0),
-                mask=gl.expand_dims(row0 + qm < seqlen, 1), other=0.0)
+                mask=gl.expand_dims(row0 + qm < row_end, 1), other=0.0)
     q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [SUB_M, HEAD_DIM], Q_SMEM)
     q_smem.store(q)
     k_bufs = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
@@ -186,11 +207,11 @@ def hopper_cand_kernel(
         mbarrier.init(free.index(s), count=1)
     fence_async_shared()  # q's store and the barriers' init before the async proxy (wgmma, TMA) reads them
 
-    tb_row = tb_ptr + user.to(gl.int64) * stride_tb
     gl.warp_specialize([
-        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_row, ws_ptr, lo, n_blocks, scale * 0.5, inv_norm,
-                          split, num_splits, head, num_heads, total_q, q_start, row0, seqlen, BLOCK_N, HEAD_DIM,
-                          STAGES, HAS_BIAS, ACCUMULATE, S_LAYOUT, O_LAYOUT, O_PARTS)),
+        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, lo, n_blocks,
+                          scale * 0.5, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
+                          BLOCK_N, HEAD_DIM, STAGES, HAS_BIAS, CAND_TILES, ACCUMULATE, S_LAYOUT, O_LAYOUT,
+                          O_PARTS)),
         (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
                         PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
     ], [1], [LOADER_REGS])

@@ -1,5 +1,5 @@
-"""Host side of the Hopper candidate kernel (:mod:`relaygr_engine.kernels._hopper`): when a call may use it, its
-launch beside the portable kernel's, a pure-torch twin of what it writes, and its offline compile for sm_90.
+"""Host side of the Hopper kernel (:mod:`relaygr_engine.kernels._hopper`): when a call may use it, its launch beside
+the portable kernel's, a pure-torch twin of what it writes, and its offline compile for sm_90.
 
 It is opt-in while it has not run on a GPU: ``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming
 why where it cannot run) or ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere).
@@ -13,7 +13,7 @@ import torch
 
 from . import _common as C
 
-__all__ = ["ENV", "requested", "why_not", "block_n", "launch", "emulate", "compile_static"]
+__all__ = ["ENV", "requested", "takes", "why_not", "block_n", "launch", "emulate", "compile_static"]
 
 ENV = "RELAYGR_HOPPER_KERNEL"
 
@@ -34,12 +34,18 @@ def block_n(head_dim: int) -> int:
     return CONFIGS[head_dim][0]
 
 
+def takes(block_m: int) -> bool:
+    """Whether the kernel takes tiles of ``block_m`` rows (64 or 128: one or two programs of one warp group)."""
+    return block_m in (64, 128)
+
+
 def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: bool, head_dim: int,
             page_size: int, block_m: int, kv_cache: torch.Tensor, persistent: bool, value_splits,
             fixed_block_n) -> Optional[str]:
-    """Why a call cannot run the Hopper kernel (None: it can): it takes HSTU candidate tiles of 64 or 128 rows in
-    bf16/fp16 on an sm_90 GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its
-    key blocks, one program per tile (no persistent grid, value splits or fixed key block)."""
+    """Why a call cannot run the Hopper kernel (None: it can): it takes HSTU tiles of 64 or 128 rows (``block_m``:
+    the candidate tiles'; history tiles of another height stay on the portable kernel) in bf16/fp16 on an sm_90
+    GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key blocks, one program
+    per tile (no persistent grid, value splits or fixed key block)."""
     from ._hopper import CONFIGS
 
     if device.type != "cuda":
@@ -56,7 +62,7 @@ def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: 
                 (head_dim not in CONFIGS, f"head dim 64, 128 or 256, got {head_dim}"),
                 (head_dim in CONFIGS and page_size % block_n(head_dim) != 0,
                  f"page_size must be a multiple of the key block, got {page_size}"),
-                (block_m not in (64, 128), f"candidate tiles of 64 or 128 rows, got {block_m}"),
+                (not takes(block_m), f"candidate tiles of 64 or 128 rows, got {block_m}"),
                 (kv_cache.data_ptr() % 16 != 0, "kv_cache's data must start 16-byte aligned"),
                 (kv_cache.shape[0] * 2 * page_size >= 2 ** 31, "more K/V rows than int32 coordinates reach"),
                 (persistent, "no persistent grid"),
@@ -65,12 +71,15 @@ def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: 
     return next((why for bad, why in problems if bad), None)
 
 
-def launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, cand_tiles, block_m: int,
-           table, *, page_size: int, num_splits: int, split_len: int, scale: float, inv_norm: float) -> None:
-    """Add the candidate tiles' full cached key blocks into the split partials ``ws [S, total_q, H, D]``: split
-    ``s`` of each (tile, head) writes its share of them, the last split on top of what is there (the portable
-    kernel's ``SKIP_FULL`` launch, before this one on the stream). ``table``: the bias table whose first rows are
-    the users' candidate rows, halved (None without a bias)."""
+def launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+           block_m: int, cand: bool, table, *, page_size: int, num_splits: int, split_len: int, scale: float,
+           inv_norm: float) -> None:
+    """Add the full cached key blocks of ``tiles`` (int32 ``[2, n]``: user and first segment row of each tile of
+    ``block_m`` rows, candidate tiles if ``cand`` else history tiles) into the split partials ``ws [S, total_q, H,
+    D]``: split ``s`` of each (tile, head) writes its share of them, the last split on top of what is there (the
+    portable kernel's ``SKIP_FULL`` launch, before this one on the stream). ``table``: the rows of the bias table for
+    this kind of tile (candidate tiles: one per user; history tiles: one per tile row), halved; None without a
+    bias."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import _hopper as H
@@ -82,60 +91,60 @@ def launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_
     desc = TensorDescriptor(kv_cache.view(rows, num_heads * head_dim), [rows, num_heads * head_dim],
                             [num_heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
     parts = block_m // H.SUB_M.value
-    programs = cand_tiles.shape[1] * parts * num_heads * num_splits
+    programs = tiles.shape[1] * parts * num_heads * num_splits
     if programs == 0:
         return
     tb = ws if table is None else table
     with C.device_guard(q.device):
-        H.hopper_cand_kernel[(programs,)](
-            q, ws, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, cand_tiles[0], cand_tiles[1], tb,
-            num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
+        H.hopper_kernel[(programs,)](
+            q, ws, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0], tiles[1],
+            tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=table is not None,
-            ACCUMULATE=True, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
+            CAND_TILES=cand, ACCUMULATE=True, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4,
+            maxnreg=maxnreg)
 
 
-def emulate(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, cand_tiles, block_m: int,
-            table, *, page_size: int, num_splits: int, split_len: int, scale: float, inv_norm: float,
-            halved: bool = True, key_block: Optional[int] = None) -> None:
+def emulate(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+            block_m: int, cand: bool, table, *, page_size: int, num_splits: int, split_len: int, scale: float,
+            inv_norm: float, halved: bool = True, key_block: Optional[int] = None) -> None:
     """What :func:`launch` writes, in torch (fp32 math; the tests' stand-in where no sm_90 GPU runs it, and its
-    reference on one): for each candidate row, head and split, ``sum SiLU(q.k_j scale + bias_j) v_j / N`` over the
-    split's share of the user's full cached key blocks, into ``ws``, the last split added to what is there.
+    reference on one): for each row of the tiles, head and split, ``sum SiLU(q.k_j scale + bias_j) v_j / N`` over
+    the split's share of the user's full cached key blocks, into ``ws``, the last split added to what is there.
     ``halved``: the table's entries are half the bias (the fast-SiLU form the kernel reads)."""
     total_q, num_heads, head_dim = q.shape
     bn = key_block or block_n(head_dim)
-    cu = cu_seqlens_q.tolist()
+    cu, ncand = cu_seqlens_q.tolist(), num_candidates.tolist()
     indptr, last = kv_indptr.tolist(), kv_last_page_len.tolist()
-    users, firsts = cand_tiles[0].tolist(), cand_tiles[1].tolist()
-    done = set()
-    for user, first in zip(users, firsts):
-        start, end = cu[user], cu[user + 1]
-        rows = [start + r for r in range(first, min(first + block_m, end - start))]
-        if not rows or (user, first) in done:
+    for t, (user, first) in enumerate(zip(tiles[0].tolist(), tiles[1].tolist())):
+        start, end = cu[user], cu[user + 1] - (0 if cand else ncand[user])
+        rows = list(range(start + first, min(start + first + block_m, end)))
+        if not rows:
             continue
-        done.add((user, first))
         n_pages = indptr[user + 1] - indptr[user]
         prefix = (n_pages - 1) * page_size + last[user] if n_pages else 0
         full = prefix // bn * bn
         pages = kv_indices[indptr[user]:indptr[user + 1]].long()
         keys = kv_cache[pages, 0].reshape(-1, num_heads, head_dim)[:full].float()
         vals = kv_cache[pages, 1].reshape(-1, num_heads, head_dim)[:full].float()
-        bias = torch.zeros(full, device=q.device)
+        bias = torch.zeros(len(rows), full, device=q.device)
         if table is not None:
-            bias = table[user, :full].float() * (2.0 if halved else 1.0)
-        x = torch.einsum("rhd,khd->hrk", q[rows].float(), keys) * scale + bias
-        w = torch.nn.functional.silu(x)
+            trows = [user] * len(rows) if cand else [t * block_m + r for r in range(len(rows))]
+            bias = table[trows, :full].float() * (2.0 if halved else 1.0)
+        w = torch.nn.functional.silu(torch.einsum("rhd,khd->hrk", q[rows].float(), keys) * scale + bias)
         for s in range(num_splits):
             lo, hi = s * split_len, min((s + 1) * split_len, full)
-            part = torch.einsum("hrk,khd->rhd", w[:, :, lo:hi], vals[lo:hi]) * inv_norm if hi > lo else \
-                torch.zeros(len(rows), num_heads, head_dim, device=q.device)
+            part = torch.zeros(len(rows), num_heads, head_dim, device=q.device)
+            if hi > lo:
+                part = torch.einsum("hrk,khd->rhd", w[:, :, lo:hi], vals[lo:hi]) * inv_norm
             if s == num_splits - 1:
                 part = part + ws[s, rows].float()
             ws[s, rows] = part.to(ws.dtype)
 
 
-def compile_static(head_dim: int, *, bias: bool = True, dtype: str = "bf16", ws_dtype: Optional[str] = None,
-                   page_size: int = 64, heads: int = 4, arch: int = 90, config: Optional[tuple] = None):
+def compile_static(head_dim: int, *, cand: bool = True, bias: bool = True, dtype: str = "bf16",
+                   ws_dtype: Optional[str] = None, page_size: int = 64, heads: int = 4, arch: int = 90,
+                   config: Optional[tuple] = None):
     """Compile the kernel for ``sm_<arch>`` with no GPU (its config at ``head_dim``, or ``config`` =
     ``(BLOCK_N, STAGES, MAXNREG)``): the compiled kernel (``asm['ptx']``, ``asm['cubin']``,
     ``metadata.shared``), for ``relaygr bench ptxas``-style checks (``ptxas_report``, the SASS mix)."""
@@ -156,11 +165,11 @@ def compile_static(head_dim: int, *, bias: bool = True, dtype: str = "bf16", ws_
                             H.kv_layout(head_dim, bn, gdtype))
     ints = ("num_heads", "num_splits", "split_len", "total_q", "stride_qt", "stride_qh", "stride_tb")
     sig = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{ws_dtype or dtype}", "kv_desc": mangle_type(desc),
-           **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "tile_user_ptr",
-                                  "tile_row_ptr")},
+           **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
+                                  "tile_user_ptr", "tile_row_ptr")},
            "tb_ptr": "*fp32", **{n: "i32" for n in ints}, "scale": "fp32", "inv_norm": "fp32"}
     constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=bias,
-                      ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
+                      CAND_TILES=cand, ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
     sig.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=H.hopper_cand_kernel, signature=sig, constexprs=constexprs)
+    src = GluonASTSource(fn=H.hopper_kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -201,8 +201,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         (:func:`~relaygr_engine.kernels._split.split_dtype`). ``torch.float32`` keeps a 16-bit model's partials at
         fp32.
     hopper_kernel : bool, optional
-        HSTU candidate tiles' full cached key blocks on the warp-specialised sm_90 kernel
-        (:mod:`~relaygr_engine.kernels._hopper`), the rest on this one. Default (None): ``RELAYGR_HOPPER_KERNEL=1``
+        HSTU tiles' full cached key blocks on the warp-specialised sm_90 kernel
+        (:mod:`~relaygr_engine.kernels._hopper`), the rest on this one (history tiles whose bias the kernel would
+        compute in place of a table stay on this one). Default (None): ``RELAYGR_HOPPER_KERNEL=1``
         uses it where it can run; ``True`` raises ``ValueError`` naming why where it cannot. Not yet run on a GPU.
 
     Returns
@@ -301,14 +302,14 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
                          f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
-    hopper = 0  # > 0: the key block of the Hopper kernel taking the candidate tiles' full cached blocks
+    hopper = 0  # > 0: the key block of the Hopper kernel taking the tiles' full cached blocks
     if use_hopper:
         why = HL.why_not(device=device, hstu=hstu, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
                          page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
                          value_splits=value_splits, fixed_block_n=block_n)
         if why is not None and hopper_kernel:
             raise ValueError(f"hopper_kernel=True cannot run here: {why}")
-        hopper = HL.block_n(head_dim) if why is None and plan.cand_tiles.shape[1] else 0
+        hopper = HL.block_n(head_dim) if why is None else 0
     ws = ml = q  # stand-ins without SPLIT (never written)
     if num_splits > 1 or hopper:  # (the Hopper kernel adds its share to the partials: always through them)
         ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
@@ -372,7 +373,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 if tiles.shape[1] * num_heads > 0]
     with C.device_guard(device), C.tile_streams(device, concurrent) as on:
         for cand, tiles, rows in launches:
-            skip = hopper if cand else 0  # one program per tile: the rest of its keys, into the last partial
+            # The Hopper kernel takes the full cached blocks: history tiles' too where they read the bias table (or
+            # have no bias) in tiles it takes; the portable kernel the rest, one program per tile, into the last split.
+            skip = hopper if HL.takes(rows) and (cand or hist_table or not (has_pos or has_ts)) else 0
             work, (splits_of, keys_of) = tiles.shape[1] * num_heads, (
                 (1, C.cdiv(plan.max_context_len, 16) * 16) if skip else (num_splits, split_len))
             programs = C.num_programs(device, work * splits_of, persistent)
@@ -382,10 +385,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                         ml, num_heads, work * splits_of, programs, splits_of, keys_of, total_q,
                                         *shape, BLOCK_M=rows, CAND_TILES=cand, HIST_TABLE=hist_table and not cand,
                                         SKIP_FULL=skip, **meta, **extra)
-            if skip:  # the full blocks, each split's share added to it (kernels._hopper)
-                HL.launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, tiles, rows,
-                          table if has_pos or has_ts else None, page_size=page_size, num_splits=num_splits,
-                          split_len=split_len, scale=scale, inv_norm=inv_norm)
+                if skip:  # the full blocks, each split's share added to it (kernels._hopper)
+                    HL.launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates,
+                              tiles, rows, cand, rows_of if has_pos or has_ts else None, page_size=page_size,
+                              num_splits=num_splits, split_len=split_len, scale=scale, inv_norm=inv_norm)
     if num_splits > 1 or hopper:
         merge_splits(ws, None if hstu else ml, out)
     return out

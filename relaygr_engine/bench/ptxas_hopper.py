@@ -1,17 +1,21 @@
-"""``relaygr bench ptxas --hopper``: the sm_90 candidate kernel (``kernels/_hopper.py``, Gluon) compiled offline at
-each head dim's config, beside what ``--defaults`` reports for the portable kernel: registers (a program is 8 warps:
-the compute warp group and the loader's), spill bytes, shared memory, programs per SM, and the instruction mix of
-the whole kernel and of its key loop, with the loop's instructions and tensor-core MMAs per score."""
+"""``relaygr bench ptxas --hopper``: the sm_90 kernel for HSTU tiles' full cached blocks (``kernels/_hopper.py``,
+Gluon) compiled offline at each head dim's config, for candidate and history tiles, beside what ``--defaults``
+reports for the portable kernel: registers (a program is 8 warps: the compute warp group and the loader's), spill
+bytes, shared memory, programs per SM, the instruction mix of the whole kernel and of its key loop with the loop's
+instructions per score, and the instructions with both biases over those with none (each tile kind's worst)."""
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 __all__ = ["report"]
 
 
 def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -> dict:
-    """Print one line per head dim and return the RESULT fields (``hopper_spilling=``, ``hopper_loop_local=``,
-    ``hopper_programs_per_sm_d<D>=``, ``hopper_loop_instr_per_score_d<D>=``)."""
+    """Print one line per head dim and return the RESULT fields: ``hopper_spilling=`` and ``hopper_loop_local=``
+    (configs that spill, that touch local memory in the key loop), and per head dim ``_d<D>``: programs per SM,
+    key-loop instructions per score, key-loop MMAs, special-function instructions per score, TMA copies (candidate
+    tiles; history tiles' with ``_hist_d<D>``)."""
     import triton
 
     from ..kernels import _hopper as H
@@ -19,27 +23,34 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
     from .ptxas import ptxas_report
     from .sass import instruction_mix
 
-    print(f"hopper candidate kernel (Gluon, warp-specialised) target=sm_{arch} dtype=bf16 page_size=64 "
+    print(f"hopper kernel (Gluon, warp-specialised; candidate and history tiles) target=sm_{arch} dtype=bf16 page_size=64 "
           f"triton={triton.__version__} (static report, nothing launched)")
-    print(f"{'D':>4} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} {'smem':>7} "
-          f"{'p/sm':>4} {'instr':>6} {'mma':>4} {'async':>5} {'loop':>5} {'mma':>4} {'mufu':>4} {'lcl':>3} "
-          f"{'instr/score':>11}")
+    print(f"{'D':>4} {'tile':>4} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
+          f"{'smem':>7} {'p/sm':>4} {'instr':>6} {'mma':>4} {'async':>5} {'loop':>5} {'mma':>4} {'mufu':>4} "
+          f"{'lcl':>3} {'instr/score':>11}")
     fields: dict = {"hopper_spilling": 0, "hopper_loop_local": 0}
-    for d in head_dims:
+    for d, cand in itertools.product(head_dims, (True, False)):
         bn, stages, maxnreg = H.CONFIGS[d]
-        kernel = L.compile_static(d, arch=arch)
+        kernel = L.compile_static(d, cand=cand, arch=arch)
         regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
         whole, loop = instruction_mix(kernel.asm["cubin"])
         smem = kernel.metadata.shared
         per_sm = min(65536 // (regs * 256), smem_limit // max(smem, 1))
         per_score = loop.instructions * 128 / (64 * bn)  # a thread's loop instructions over its scores
-        print(f"{d:>4} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} {spill_ld:>8} {smem:>7} {per_sm:>4} "
-              f"{whole.instructions:>6} {whole.mma:>4} {whole.async_copies:>5} {loop.instructions:>5} {loop.mma:>4} "
-              f"{loop.special:>4} {loop.local:>3} {per_score:>11.2f}")
+        print(f"{d:>4} {'cand' if cand else 'hist':>4} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} "
+              f"{spill_ld:>8} {smem:>7} {per_sm:>4} {whole.instructions:>6} {whole.mma:>4} {whole.async_copies:>5} "
+              f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f}")
         fields["hopper_spilling"] += spill_st > 0
         fields["hopper_loop_local"] += loop.local > 0
-        fields[f"hopper_programs_per_sm_d{d}"] = per_sm
-        fields[f"hopper_loop_instr_per_score_d{d}"] = round(per_score, 2)
+        at = f"d{d}" if cand else f"hist_d{d}"
+        fields[f"hopper_programs_per_sm_{at}"] = per_sm
+        fields[f"hopper_loop_instr_per_score_{at}"] = round(per_score, 2)
+        fields[f"hopper_loop_mma_{at}"] = loop.mma
+        fields[f"hopper_mufu_per_score_{at}"] = round(loop.special * 128 / (64 * bn), 3)
+        fields[f"hopper_tma_copies_{at}"] = whole.async_copies
+        plain = instruction_mix(L.compile_static(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
+        kind = f"hopper_bias_instr_ratio_{'cand' if cand else 'hist'}"
+        fields[kind] = round(max(fields.get(kind, 0.0), whole.instructions / plain.instructions), 3)
     return fields
 
 
