@@ -173,7 +173,12 @@ def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total
     gl.store(ptrs, out.to(ws_ptr.dtype.element_ty), mask=ok)
 
 
-@gluon.jit
+# Integer arguments that change from batch to batch, passed as plain values (as the portable kernel's BATCH_ARGS):
+# a new ranking length compiles no new binary.
+BATCH_ARGS = ["num_splits", "split_len", "total_q"]
+
+
+@gluon.jit(do_not_specialize=BATCH_ARGS)
 def hopper_kernel(
     q_ptr, ws_ptr, kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
     tile_user_ptr, tile_row_ptr,                      # the tiles (int32 [n]) of one kind (CAND_TILES)

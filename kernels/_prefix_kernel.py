@@ -30,10 +30,11 @@ fewer registers, which bound a tile at head dim 256, for scores computed ``V_SPL
 the tile's rows are shared the same way (``BLOCK_M / M_SPLITS`` each, nothing computed twice): a 128-row tile as two
 programs of one warp group each.
 
-On sm_90 a candidate tile's full cached key blocks may go to the warp-specialised kernel of
+On sm_90 a tile's full cached key blocks may go to the warp-specialised kernel of
 :mod:`relaygr_engine.kernels._hopper` instead (HSTU, whose sum adds up over any split of the keys): this kernel then
 runs with ``SKIP_FULL`` (one program per tile and head), from the user's last partial block of ``SKIP_FULL`` keys on:
-that block, the new history rows and the self term, into the last split's partial, which the other kernel adds to.
+that block, the new history rows the tile sees and a candidate's own key, into the last split's partial, which the
+other kernel adds to.
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
@@ -305,8 +306,8 @@ def prefix_attention_kernel(
     V_SPLITS: tl.constexpr,                           # programs sharing a tile's value columns (grid axis 1)
     M_SPLITS: tl.constexpr,                           # programs sharing a tile's rows (grid axis 1)
     TMA_READS: tl.constexpr, V_SPLITS_PICK: tl.constexpr,  # (read by the autotuner's pruning only: _prefix_config)
-    SKIP_FULL: tl.constexpr = 0,                      # candidate tiles: the cached keys below P // SKIP_FULL *
-                                                      # SKIP_FULL are another kernel's (kernels._hopper)
+    SKIP_FULL: tl.constexpr = 0,                      # > 0: the cached keys below P // SKIP_FULL * SKIP_FULL
+                                                      # are another kernel's (kernels._hopper)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     BIAS: tl.constexpr = HAS_POS or HAS_TS

@@ -61,6 +61,14 @@ def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
         HL.requested("yes")
 
 
+def test_per_batch_integers_are_not_specialised():
+    """A new ranking length (rows, splits, keys per split) compiles no new binary of the Hopper kernel."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from relaygr_engine.kernels import _hopper as H
+
+    assert {p.name for p in H.hopper_kernel.params if p.do_not_specialize} == {"num_splits", "split_len", "total_q"}
+
+
 def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     cache = torch.zeros(4, 2, 64, 4, 256, dtype=torch.bfloat16)
     ok = dict(device=torch.device("cuda"), hstu=True, dtype=torch.bfloat16, quantized=False, head_dim=256,
@@ -160,6 +168,11 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
     assert "hk" in S.header(True) and S.row_line(row(True, 1.0, 0.5)).split()[7] == "y"
     plain = S.summarize([row(False, 2.0, 0.25)], device="cuda", dtype="bfloat16")
     assert "geomean_ms_hopper_no" not in plain and "matmul_fraction_long_hstu_hopper" not in plain
+    from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
+
+    key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)
+    assert describe(dict(key, SKIP_FULL=32)) == "hstu cand split rest-of-32 D=256 BM=128 reads=either"
+    assert "rest-of" not in describe(dict(key, SKIP_FULL=0))
 
 
 @gpu

@@ -58,12 +58,14 @@ def label(config) -> str:
 
 
 def describe(key: dict) -> str:
-    """A variant's autotune key in a few words: ``hstu cand split D=256 BM=128 reads=either``."""
+    """A variant's autotune key in a few words: ``hstu cand split D=256 BM=128 reads=either`` (``rest-of-32``: the
+    keys past a tile's full 32-key cached blocks, which the sm_90 kernel takes: ``SKIP_FULL``)."""
     from ..kernels._prefix_config import TMA_EITHER, TMA_OFF, TMA_ONLY
 
     words = ["hstu" if key.get("HSTU") else "softmax", "cand" if key.get("CAND_TILES") else "hist"]
     words += [w for w, on in (("split", key.get("SPLIT")), ("persistent", key.get("PERSISTENT")),
-                              ("table", key.get("HIST_TABLE")), ("kv8", key.get("KV8"))) if on]
+                              ("table", key.get("HIST_TABLE")), ("kv8", key.get("KV8")),
+                              (f"rest-of-{key.get('SKIP_FULL')}", key.get("SKIP_FULL"))) if on]
     reads = {TMA_OFF: "pointers", TMA_EITHER: "either", TMA_ONLY: "tma"}.get(key.get("TMA_READS"), "?")
     return " ".join(words + [f"D={key.get('HEAD_DIM')}", f"BM={key.get('BLOCK_M')}", f"reads={reads}"])
 
