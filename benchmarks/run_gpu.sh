@@ -19,14 +19,14 @@
 # variants for the later ones, which find them in Triton's cache):
 #   1. STEPS="env tests-hopper kernels-hopper-rank rank rank-hopper kernels-splits profile-graphs kernels-hopper"
 #   2. STEPS="kernels-split-dtype tiers-8k kernels-d256 tests-gpu"   3. STEPS="kernels-vsplits-rank rank-compile ncu"
-#   4. STEPS="kernels-d64 kernels-d128 ncu-kernel tiers sync kernels-vsplits"
+#   4. STEPS="kernels-d64 kernels-d128 ncu-kernel ncu-hopper tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync
-# rank rank-compile profile profile-graphs ncu ncu-kernel
+# rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
 # rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -60,7 +60,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -161,6 +161,13 @@ step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs --interleav
 # says so and passes where ncu is missing.
 step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
     ncu --profile-from-start off --kernel-name 'regex:prefix_attention|bias_table|reduce_kernel' \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section Occupancy --section WarpStateStats --section SchedulerStats \
+    $PY benchmarks/profile_rank.py --cuda-profiler-window"
+# The same for a ranking on the sm_90 Hopper kernel (RELAYGR_HOPPER_KERNEL=1): its launches and the portable
+# kernel's SKIP_FULL share, what bounds them now.
+step ncu-hopper 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
+    RELAYGR_HOPPER_KERNEL=1 ncu --profile-from-start off --kernel-name 'regex:hopper_kernel|prefix_attention' \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section Occupancy --section WarpStateStats --section SchedulerStats \
     $PY benchmarks/profile_rank.py --cuda-profiler-window"
