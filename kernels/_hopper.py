@@ -71,7 +71,7 @@ def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, num_cand_ptr, kv_indptr_pt
     last = gl.load(kv_last_ptr + user)
     prefix_len = gl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + last, 0)
     full = prefix_len // BLOCK_N * BLOCK_N
-    lo = split * split_len
+    lo = gl.multiple_of(split * split_len, 16)  # (split_len: a multiple of every key block, SPLIT_ALIGN)
     hi = gl.where(row0 < row_end, gl.minimum(lo + split_len, full), lo)
     n_blocks = gl.maximum(hi - lo, 0) // BLOCK_N
     return split, head, tb_row0, row0, row_end, q_start, page_lo, lo, n_blocks

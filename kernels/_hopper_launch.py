@@ -171,5 +171,10 @@ def compile_static(head_dim: int, *, cand: bool = True, bias: bool = True, dtype
     constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=bias,
                       CAND_TILES=cand, ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
     sig.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=H.hopper_kernel, signature=sig, constexprs=constexprs)
+    # Specialised as a launch would be: pointers 16-byte aligned, and the strides (multiples of 16 elements: a fused
+    # projection's rows, the head dim, the bias table's rows) known to be multiples of 16.
+    fn = H.hopper_kernel
+    aligned = [n for n, t in sig.items() if t.startswith("*")] + ["stride_qt", "stride_qh", "stride_tb"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, maxnreg=maxnreg))
