@@ -128,7 +128,7 @@ step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hs
 # before): first whether it is right (its CUDA tests: the reference within bf16 tolerance, eagerly and in a graph),
 # then beside the portable kernel in one run: the long head-dim-256 shapes (matmul_fraction_long_hstu_hopper beside
 # matmul_fraction_long_hstu) and one ranking layer at NVIDIA's shape; then a whole ranking with it.
-step tests-hopper 240 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -p no:cacheprovider
+step tests-hopper 270 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -p no:cacheprovider
 step kernels-hopper 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --head-dims 256 --hopper-kernel no,yes \
     --json "${OUT_DIR}/kernels-hopper.json"
 step kernels-hopper-rank 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \

@@ -387,7 +387,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                         SKIP_FULL=skip, **meta, **extra)
                 if skip:  # the full blocks, each split's share added to it (kernels._hopper)
                     HL.launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates,
-                              tiles, rows, cand, rows_of if has_pos or has_ts else None, page_size=page_size,
+                              tiles, rows, cand, None if table is None else rows_of, page_size=page_size,
                               num_splits=num_splits, split_len=split_len, scale=scale, inv_norm=inv_norm)
     if num_splits > 1 or hopper:
         merge_splits(ws, None if hstu else ml, out)

@@ -128,29 +128,6 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     assert 1.0 < got["hopper_bias_instr_ratio_cand"] < 1.15 and 1.0 < got["hopper_bias_instr_ratio_hist"] < 1.15
 
 
-# ---------------------------------------------------------------------------------------------- on a GPU
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim):
-    """On sm_90 (skipped elsewhere): the candidate tiles' full blocks on the Hopper kernel, split or not, eagerly
-    and replayed in a CUDA graph, within bf16 tolerance of the reference; its partials equal its torch twin's."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
-    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
-    args, bias = make_problem(users, 64, 4, head_dim, device="cuda", dtype=torch.bfloat16)
-    kw = attention_kwargs("hstu", bias, head_dim)
-    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
-    for splits in (None, 1, 5):
-        out = pa.prefix_attention(**args, **kw, splits=splits, hopper_kernel=True)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"splits={splits}")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pa.prefix_attention(**args, **kw, hopper_kernel=True)
-    graph.replay()
-    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-
-
 def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
     """``bench kernels --hopper-kernel no,yes``: one geomean time per setting and the long shapes' matmul fraction
     of each in its own field (the portable kernel's as before)."""
@@ -175,6 +152,8 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
     assert "rest-of" not in describe(dict(key, SKIP_FULL=0))
 
 
+# ---------------------------------------------------------------------------------------------- on a GPU
+# (the kernel against its twin first: the quickest to say which part is wrong)
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -200,3 +179,25 @@ def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
         HL.launch(*common[:1], ws, *common[2:], **kw)
         HL.emulate(*common[:1], twin, *common[2:], **kw, halved=True)
         torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2, msg=f"candidate tiles: {cand}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim):
+    """On sm_90 (skipped elsewhere): the candidate tiles' full blocks on the Hopper kernel, split or not, eagerly
+    and replayed in a CUDA graph, within bf16 tolerance of the reference; its partials equal its torch twin's."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
+    args, bias = make_problem(users, 64, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    kw = attention_kwargs("hstu", bias, head_dim)
+    ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
+    for splits in (None, 1, 5):
+        out = pa.prefix_attention(**args, **kw, splits=splits, hopper_kernel=True)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"splits={splits}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pa.prefix_attention(**args, **kw, hopper_kernel=True)
+    graph.replay()
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
