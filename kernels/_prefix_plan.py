@@ -131,3 +131,29 @@ def plan_prefix_attention(cu_seqlens_q, num_candidates, kv_indptr, kv_indices, k
 def _check_block(name: str, size) -> None:
     if size is not None and (not isinstance(size, int) or size < 16 or size & (size - 1)):
         raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
+
+
+def check_value_splits(value_splits, head_dim: int) -> None:
+    """``value_splits``: None, or a power of two leaving each program at least 16 value columns."""
+    most = max(16, C.next_pow2(head_dim)) // 16
+    if value_splits is not None and (isinstance(value_splits, bool) or not isinstance(value_splits, int)
+                                     or value_splits < 1 or value_splits & (value_splits - 1)
+                                     or value_splits > most):
+        raise ValueError(f"value_splits must be a power of two in [1, {most}] at head dim {head_dim} (each program "
+                         f"takes at least 16 value columns), got {value_splits!r}")
+
+
+def check_plan(plan, *, batch: int, total_q: int, page_size: int, num_pages: int, device: torch.device,
+               block_m: Optional[int]) -> None:
+    """``ValueError`` unless ``plan`` is a :class:`PrefixAttentionPlan` built for a batch of ``batch`` users and
+    ``total_q`` rows over ``num_pages`` pages of ``page_size`` tokens on ``device`` (and, given, ``block_m`` rows a
+    candidate tile). Its tables' contents are trusted."""
+    if not isinstance(plan, PrefixAttentionPlan):
+        raise ValueError(f"plan must be a PrefixAttentionPlan (plan_prefix_attention), got {C.describe(plan)}")
+    built = (plan.batch, plan.total_q, plan.page_size, plan.num_pages, plan.device)
+    if built != (batch, total_q, page_size, num_pages, device):
+        raise ValueError(f"plan was built for {plan.batch} users, {plan.total_q} rows and {plan.num_pages} "
+                         f"pages of {plan.page_size} tokens on {plan.device}, got {batch} users, "
+                         f"{total_q} rows and {num_pages} pages of {page_size} tokens on {device}")
+    if block_m is not None and block_m != plan.block_m:
+        raise ValueError(f"block_m={block_m} differs from the plan's block_m={plan.block_m}")

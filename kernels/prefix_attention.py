@@ -46,7 +46,8 @@ from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, Kern
                              reset_autotuning, save_autotune)
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
-from ._prefix_plan import PrefixAttentionPlan, _check_block, _plan, plan_prefix_attention
+from ._prefix_plan import (PrefixAttentionPlan, _check_block, _plan, check_plan, check_value_splits,
+                           plan_prefix_attention)
 from ._split import merge_splits, split_dtype as pick_split_dtype, split_layout
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
@@ -82,16 +83,6 @@ def _ts_bits(num_buckets: int) -> int:
     """TS_BITS for ``bucket = min(bit_length(d), num_buckets - 1)`` of int64 deltas (the log2 buckets need no
     search steps: the kernel reads the bit length off a float's exponent)."""
     return min(num_buckets - 1, 63)
-
-
-def _check_value_splits(value_splits, head_dim: int) -> None:
-    """``value_splits``: None, or a power of two leaving each program at least 16 value columns."""
-    most = max(16, C.next_pow2(head_dim)) // 16
-    if value_splits is not None and (isinstance(value_splits, bool) or not isinstance(value_splits, int)
-                                     or value_splits < 1 or value_splits & (value_splits - 1)
-                                     or value_splits > most):
-        raise ValueError(f"value_splits must be a power of two in [1, {most}] at head dim {head_dim} (each program "
-                         f"takes at least 16 value columns), got {value_splits!r}")
 
 
 def _grid(programs: int):
@@ -251,7 +242,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                            device=device)
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
-    _check_value_splits(value_splits, head_dim)
+    check_value_splits(value_splits, head_dim)
     if concurrent_tiles is not None and not isinstance(concurrent_tiles, bool):
         raise ValueError(f"concurrent_tiles must be a bool or None, got {concurrent_tiles!r}")
     if concurrent_tiles and device.type != "cuda":
@@ -262,15 +253,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     use_hopper = HL.requested(hopper_kernel)
     reads = parse_choice(PageReads, page_reads, "page_reads")
     if plan is not None:
-        if not isinstance(plan, PrefixAttentionPlan):
-            raise ValueError(f"plan must be a PrefixAttentionPlan (plan_prefix_attention), got {C.describe(plan)}")
-        built = (plan.batch, plan.total_q, plan.page_size, plan.num_pages, plan.device)
-        if built != (batch, total_q, page_size, num_pages, device):
-            raise ValueError(f"plan was built for {plan.batch} users, {plan.total_q} rows and {plan.num_pages} "
-                             f"pages of {plan.page_size} tokens on {plan.device}, got {batch} users, "
-                             f"{total_q} rows and {num_pages} pages of {page_size} tokens on {device}")
-        if block_m is not None and block_m != plan.block_m:
-            raise ValueError(f"block_m={block_m} differs from the plan's block_m={plan.block_m}")
+        check_plan(plan, batch=batch, total_q=total_q, page_size=page_size, num_pages=num_pages, device=device,
+                   block_m=block_m)
     C.check_launchable(device, _prefix_attention_kernel)
     if device.type == "cpu" and q.dtype != torch.float32:
         raise ValueError(f"the CPU interpreter runs fp32 only (numpy has no bf16), got q.dtype={q.dtype}")
