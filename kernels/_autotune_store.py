@@ -129,9 +129,8 @@ def apply(doc: dict, cache: dict, configs: Sequence, prune: Callable, where: dic
     loaded, skipped = 0, []
     for entry in doc["entries"]:
         key, want = tuple(entry["key"]), entry["config"]
-        match = [c for c in configs if _config_dict(c) == {"kwargs": want["kwargs"], "num_warps": want.get("num_warps"),
-                                                           "num_stages": want.get("num_stages"),
-                                                           "maxnreg": want.get("maxnreg")}]
+        want = {"kwargs": want["kwargs"], **{k: want.get(k) for k in ("num_warps", "num_stages", "maxnreg")}}
+        match = [c for c in configs if _config_dict(c) == want]
         named = dict(zip(keys, key))
         if len(key) < len(keys) or not match or match[0] not in prune(configs, {}, **named):
             skipped.append(entry)

@@ -29,7 +29,8 @@ memory), and checked against the torch reference on a GPU only (``python_tests/t
 """
 from __future__ import annotations
 
-import triton
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -234,6 +235,7 @@ def hopper_kernel(
 CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
 
 
+@functools.lru_cache(maxsize=None)  # (built once per shape: a launch passes them every call)
 def layouts(head_dim: int, block_n: int, dtype=gl.bfloat16) -> dict:
     """The kernel's layout constexprs for ``head_dim`` and ``block_n``: q's load (16-byte vectors along a row),
     its shared-memory tile (the wgmma operand's swizzle), and the wgmma accumulators of the scores ``[64, BN]`` and
@@ -247,6 +249,7 @@ def layouts(head_dim: int, block_n: int, dtype=gl.bfloat16) -> dict:
                 O_PARTS=max(1, head_dim // 128))
 
 
+@functools.lru_cache(maxsize=None)
 def kv_layout(head_dim: int, block_n: int, dtype=gl.bfloat16):
     """The shared-memory layout of a key block's K or V ``[block_n, head_dim]`` (TMA's destination, wgmma's B)."""
     return gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)

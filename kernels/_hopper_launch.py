@@ -1,5 +1,6 @@
 """Host side of the Hopper kernel (:mod:`relaygr_engine.kernels._hopper`): when a call may use it, its launch beside
-the portable kernel's, a pure-torch twin of what it writes, and its offline compile for sm_90.
+the portable kernel's, and a pure-torch twin of what it writes (its offline compile for sm_90:
+:mod:`relaygr_engine.bench.ptxas_hopper`).
 
 It is opt-in while it has not run on a GPU: ``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming
 why where it cannot run) or ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere).
@@ -12,8 +13,9 @@ from typing import Optional
 import torch
 
 from . import _common as C
+from ._prefix_config import _capability
 
-__all__ = ["ENV", "requested", "takes", "why_not", "block_n", "launch", "emulate", "compile_static"]
+__all__ = ["ENV", "requested", "takes", "why_not", "block_n", "launch", "emulate"]
 
 ENV = "RELAYGR_HOPPER_KERNEL"
 
@@ -50,7 +52,7 @@ def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: 
 
     if device.type != "cuda":
         return f"needs a CUDA device, got {device}"
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    if _capability(device.index)[0] != 9:  # (read once per device)
         return "needs an sm_90 GPU (Hopper's wgmma)"
     try:
         import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
@@ -141,40 +143,3 @@ def emulate(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens
                 part = part + ws[s, rows].float()
             ws[s, rows] = part.to(ws.dtype)
 
-
-def compile_static(head_dim: int, *, cand: bool = True, bias: bool = True, dtype: str = "bf16",
-                   ws_dtype: Optional[str] = None, page_size: int = 64, heads: int = 4, arch: int = 90,
-                   config: Optional[tuple] = None):
-    """Compile the kernel for ``sm_<arch>`` with no GPU (its config at ``head_dim``, or ``config`` =
-    ``(BLOCK_N, STAGES, MAXNREG)``): the compiled kernel (``asm['ptx']``, ``asm['cubin']``,
-    ``metadata.shared``), for ``relaygr bench ptxas``-style checks (``ptxas_report``, the SASS mix)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-
-    from . import _hopper as H
-
-    bn, stages, maxnreg = config or H.CONFIGS[head_dim]
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    gdtype = {"bf16": H.gl.bfloat16, "fp16": H.gl.float16}[dtype]
-    rows = 2 * page_size * 16
-    base = torch.empty(rows, heads * head_dim, dtype=tdtype)
-    desc = TensorDescriptor(base, [rows, heads * head_dim], [heads * head_dim, 1], [bn, head_dim],
-                            H.kv_layout(head_dim, bn, gdtype))
-    ints = ("num_heads", "num_splits", "split_len", "total_q", "stride_qt", "stride_qh", "stride_tb")
-    sig = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{ws_dtype or dtype}", "kv_desc": mangle_type(desc),
-           **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
-                                  "tile_user_ptr", "tile_row_ptr")},
-           "tb_ptr": "*fp32", **{n: "i32" for n in ints}, "scale": "fp32", "inv_norm": "fp32"}
-    constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=bias,
-                      CAND_TILES=cand, ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
-    sig.update({name: "constexpr" for name in constexprs})
-    # Specialised as a launch would be: pointers 16-byte aligned, and the strides (multiples of 16 elements: a fused
-    # projection's rows, the head dim, the bias table's rows) known to be multiples of 16.
-    fn = H.hopper_kernel
-    aligned = [n for n, t in sig.items() if t.startswith("*")] + ["stride_qt", "stride_qh", "stride_tb"]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, maxnreg=maxnreg))

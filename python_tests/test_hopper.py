@@ -74,9 +74,9 @@ def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     ok = dict(device=torch.device("cuda"), hstu=True, dtype=torch.bfloat16, quantized=False, head_dim=256,
               page_size=64, block_m=128, kv_cache=cache, persistent=False, value_splits=None, fixed_block_n=None)
     assert "CUDA device" in HL.why_not(**dict(ok, device=torch.device("cpu")))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(HL, "_capability", lambda index: (10, 0))
     assert "sm_90" in HL.why_not(**ok)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(HL, "_capability", lambda index: (9, 0))
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     assert HL.why_not(**ok) is None
     for change, words in ((dict(hstu=False), "hstu"), (dict(dtype=torch.float32), "bf16 or fp16"),

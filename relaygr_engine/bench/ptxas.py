@@ -91,8 +91,9 @@ def _require_nvidia_backend():
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_warps: int = 4, num_stages: int = 2,
-                   values: Optional[dict] = None, maxnreg: Optional[int] = None):
-    """Compile ``fn`` (a ``@triton.jit`` function) for ``sm_<arch>`` without a GPU; returns Triton's kernel object.
+                   values: Optional[dict] = None, maxnreg: Optional[int] = None, source=None):
+    """Compile ``fn`` (a ``@triton.jit`` function, or with ``source`` Gluon's ``GluonASTSource`` a ``@gluon.jit``
+    one) for ``sm_<arch>`` without a GPU; returns Triton's kernel object.
 
     ``types`` maps argument names to Triton types (``"*bf16"``, ``"fp32"``; unnamed arguments are ``"i32"``),
     ``constexprs`` maps constexpr argument names to values. Specialised as a launch would be: every pointer is
@@ -112,7 +113,7 @@ def compile_kernel(fn, types: dict, constexprs: dict, *, arch: int = 90, num_war
     aligned += [n for n, v in (values or {}).items() if n not in plain and sig.get(n, "").startswith("i")
                 and v % 16 == 0]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton_compile(ASTSource(fn=fn, signature=sig, constexprs=idx, attrs=attrs),
+    return triton_compile((source or ASTSource)(fn=fn, signature=sig, constexprs=idx, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
 

@@ -8,7 +8,36 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-__all__ = ["report"]
+__all__ = ["compile_hopper", "report", "main"]
+
+
+def compile_hopper(head_dim: int, *, cand: bool = True, bias: bool = True, dtype: str = "bf16", page_size: int = 64,
+                   heads: int = 4, arch: int = 90):
+    """Compile the kernel's config at ``head_dim`` for ``sm_<arch>`` with no GPU (:func:`ptxas.compile_kernel`,
+    specialised as a launch would be): the compiled kernel (``asm['ptx']``, ``asm['cubin']``, ``metadata.shared``)."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from ..kernels import _hopper as H
+    from .ptxas import compile_kernel, torch_dtype
+
+    bn, stages, maxnreg = H.CONFIGS[head_dim]
+    gdtype = {"bf16": H.gl.bfloat16, "fp16": H.gl.float16}[dtype]
+    rows = 2 * page_size * 16
+    desc = TensorDescriptor(torch.empty(rows, heads * head_dim, dtype=torch_dtype(dtype)), [rows, heads * head_dim],
+                            [heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
+    types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
+             "scale": "fp32", "inv_norm": "fp32",
+             **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
+                                    "tile_user_ptr", "tile_row_ptr")}}
+    constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=bias,
+                      CAND_TILES=cand, ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
+    # the strides a launch passes: a fused projection's rows, the head dim, a bias table's rows (multiples of 16)
+    values = dict(num_heads=heads, stride_qt=4 * heads * head_dim, stride_qh=head_dim, stride_tb=4096 + 16)
+    return compile_kernel(H.hopper_kernel, types, constexprs, arch=arch, num_warps=4, values=values,
+                          maxnreg=maxnreg, source=GluonASTSource)
 
 
 def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -> dict:
@@ -19,7 +48,6 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
     import triton
 
     from ..kernels import _hopper as H
-    from ..kernels import _hopper_launch as L
     from .ptxas import ptxas_report
     from .sass import instruction_mix
 
@@ -31,7 +59,7 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
     fields: dict = {"hopper_spilling": 0, "hopper_loop_local": 0}
     for d, cand in itertools.product(head_dims, (True, False)):
         bn, stages, maxnreg = H.CONFIGS[d]
-        kernel = L.compile_static(d, cand=cand, arch=arch)
+        kernel = compile_hopper(d, cand=cand, arch=arch)
         regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
         whole, loop = instruction_mix(kernel.asm["cubin"])
         smem = kernel.metadata.shared
@@ -48,7 +76,7 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
         fields[f"hopper_loop_mma_{at}"] = loop.mma
         fields[f"hopper_mufu_per_score_{at}"] = round(loop.special * 128 / (64 * bn), 3)
         fields[f"hopper_tma_copies_{at}"] = whole.async_copies
-        plain = instruction_mix(L.compile_static(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
+        plain = instruction_mix(compile_hopper(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
         kind = f"hopper_bias_instr_ratio_{'cand' if cand else 'hist'}"
         fields[kind] = round(max(fields.get(kind, 0.0), whole.instructions / plain.instructions), 3)
     return fields
