@@ -18,15 +18,16 @@
 # with, in order of what is least known and most asked (as of 2026-11-26; the first steps compile the kernels'
 # variants for the later ones, which find them in Triton's cache):
 #   1. STEPS="env tests-hopper kernels-hopper-rank rank rank-hopper kernels-splits profile-graphs kernels-hopper"
-#   2. STEPS="kernels-split-dtype tiers-8k kernels-d256 tests-gpu"   3. STEPS="kernels-vsplits-rank rank-compile ncu"
+#   2. STEPS="kernels-hopper-softmax kernels-split-dtype"   3. STEPS="tiers-8k kernels-d256 tests-gpu"
+#   3b. STEPS="kernels-vsplits-rank rank-compile ncu"
 #   4. STEPS="kernels-d64 kernels-d128 ncu-kernel ncu-hopper tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
-# kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync
-# rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
+# kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas
+# kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
 # rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -60,7 +61,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -124,13 +125,16 @@ step kernels-vsplits 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256
     --json "${OUT_DIR}/kernels-vsplits.json"
 step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hstu \
     --shape B=1,P=3968,n=128,C=256,H=4,D=256 --value-splits 1,2 --block-m 128,64 --json "${OUT_DIR}/kernels-vsplits-rank.json"
-# The warp-specialised sm_90 kernel for HSTU candidate tiles (kernels/_hopper.py, Gluon; opt-in, never run on a GPU
-# before): first whether it is right (its CUDA tests: the reference within bf16 tolerance, eagerly and in a graph),
-# then beside the portable kernel in one run: the long head-dim-256 shapes (matmul_fraction_long_hstu_hopper beside
-# matmul_fraction_long_hstu) and one ranking layer at NVIDIA's shape; then a whole ranking with it.
+# The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (kernels/_hopper.py, Gluon;
+# opt-in, never run on a GPU before): first whether it is right (its CUDA tests: against its torch twin, then the
+# reference within bf16 tolerance, eagerly and in a graph), then beside the portable kernel in one run: the long
+# head-dim-256 HSTU shapes (matmul_fraction_long_hstu_hopper beside matmul_fraction_long_hstu), one ranking layer at
+# NVIDIA's shape, the softmax shapes at every head dim (matmul_fraction_long_softmax_hopper); a whole ranking with it.
 step tests-hopper 270 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -p no:cacheprovider
 step kernels-hopper 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --head-dims 256 --hopper-kernel no,yes \
     --json "${OUT_DIR}/kernels-hopper.json"
+step kernels-hopper-softmax 500 $PY -m relaygr_engine.cli bench kernels --modes softmax --hopper-kernel no,yes \
+    --json "${OUT_DIR}/kernels-hopper-softmax.json"
 step kernels-hopper-rank 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \
     --shape B=1,P=3968,n=128,C=256,H=4,D=256 --hopper-kernel no,yes --json "${OUT_DIR}/kernels-hopper-rank.json"
 step rank-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY -m relaygr_engine.cli bench rank --device cuda \

@@ -1,5 +1,5 @@
-"""HSTU on Hopper (sm_90), warp-specialised, in Gluon: a tile's rows against the full key blocks of its user's
-cached prefix.
+"""Prefix attention on Hopper (sm_90), warp-specialised, in Gluon: a tile's rows against the full key blocks of its
+user's cached prefix, HSTU or softmax.
 
 Beside the portable kernel (:mod:`relaygr_engine.kernels._prefix_kernel`), which runs everywhere (the interpreter,
 triton-ascend) and takes every other case, this kernel takes the bulk of a ranking's work on sm_90: the **full** key
@@ -13,16 +13,18 @@ one warp group of 64 rows and one loader warp:
 - the **loader** (1 warp, few registers) streams a key block's K and V rows of one head through TMA (one copy each:
   a block lies in one page, NHD pages make its rows one strided box) into a ring of ``STAGES`` buffers, each
   guarded by a pair of mbarriers (filled / free), reading the page table as it goes;
-- the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), applies
-  ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``), multiplies by V into
-  its fp32 accumulator, and frees the buffer, without a CTA barrier: two or three programs on one SM (``maxnreg``
-  sized for it) interleave their tensor-core and SiLU phases.
+- the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), turns the
+  scores into weights, multiplies them by V into its fp32 accumulator, and frees the buffer, without a CTA barrier:
+  two or three programs on one SM (``maxnreg`` sized for it) interleave their tensor-core and special-function
+  phases. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
+  FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score; the accumulator rescaled in
+  registers when a row's running max grows).
 
-HSTU's sum is pointwise, so the rest of a tile's keys (the prefix's last partial block, the new history rows, a
-candidate's own key) add up separately: the portable kernel computes them (``SKIP_FULL``) into the last split's
-partial, and this kernel's last split adds its share to it (``ACCUMULATE``); the split merge then sums the splits
-as usual (:mod:`relaygr_engine.kernels._split`). Each program writes one split's partial ``[64, D]`` of one head,
-``acc / N`` in the partials' dtype.
+The rest of a tile's keys (the prefix's last partial block, the new history rows, a candidate's own key) is the
+portable kernel's (``SKIP_FULL``): it writes them as one more split partial, slot ``S`` of the partials, while this
+kernel's programs write slots ``0 .. S-1``, one split each; the two launches share nothing, and the split merge
+(:mod:`relaygr_engine.kernels._split`) combines all ``S + 1`` as it combines any splits: HSTU's partial is
+``acc / N`` (the sum is pointwise), softmax's ``acc / l`` with its running max and sum ``(m, l)``.
 
 Gluon has no CPU interpreter: the kernel is compiled for sm_90 offline in the tests (registers, spills, shared
 memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper.py``).
@@ -103,26 +105,30 @@ def _tanh(x):
 
 
 @gluon.jit
-def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, lo, n_blocks,
-                   half_scale, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   CAND_TILES: gl.constexpr, ACCUMULATE: gl.constexpr, S_LAYOUT: gl.constexpr,
+def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo, n_blocks,
+                   scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HSTU: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, S_LAYOUT: gl.constexpr,
                    O_LAYOUT: gl.constexpr, O_PARTS: gl.constexpr):
-    """The compute warp group: ``sum_j SiLU(q.k_j scale + bias_j) v_j / N`` over the key blocks in fp32
-    (``SiLU`` as ``h + h tanh(h)`` of ``h`` halved; the table's biases come halved), stored as this split's
-    partial ``[64, D]`` of the head, plus (``ACCUMULATE``, the last split) what the portable kernel stored there.
-    (The store is here, inside the partition's raised register budget: the accumulator alone is 128 registers a
-    thread at head dim 256.)"""
+    """The compute warp group: the key blocks' weighted values in fp32, stored as this split's partial ``[64, D]``
+    of the head. HSTU: ``sum_j SiLU(q.k_j scale + bias_j) v_j``, ``SiLU`` as ``h + h tanh(h)`` of ``h`` halved
+    (the table's biases come halved). Softmax: ``sum_j 2^(x_j - m) v_j`` with ``x_j = q.k_j scale log2(e)``, the
+    running max ``m`` and sum ``l`` of each row (FlashAttention's online softmax). (The store is here, inside the
+    partition's raised register budget: the accumulator alone is 128 registers a thread at head dim 256.)"""
     PART: gl.constexpr = HEAD_DIM // O_PARTS  # value columns per accumulator (one wgmma's N: at most 128 here)
+    LOG2E: gl.constexpr = 1.4426950408889634
     acc0 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)
     acc1 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)  # (O_PARTS == 2 only)
     s0 = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT)
+    row_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_layout)  # softmax: running max of the log2-scaled scores
+    l_i = gl.zeros([SUB_M], gl.float32, row_layout)          # softmax: running sum of 2^(x - m_i)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     # The bias table: a candidate tile's one row (its user's), a history tile's 64 rows (one per query row).
     if CAND_TILES:
         tb = tb_ptr + tb_row0.to(gl.int64) * stride_tb + offs_n                                    # [BN]
     else:
-        tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=row_layout)
         tb = tb_ptr + gl.expand_dims(tb_rows.to(gl.int64) * stride_tb, 1) + gl.expand_dims(offs_n, 0)  # [64, BN]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     for i in range(n_blocks):
@@ -134,13 +140,26 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
         if HAS_BIAS:  # (loaded while the product runs)
             bias = gl.load(tb + lo + i * BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        h = s * half_scale
-        if HAS_BIAS:
-            if CAND_TILES:
-                h = h + gl.expand_dims(bias, 0)
-            else:
-                h = h + bias
-        p = gl.convert_layout((h + h * _tanh(h)).to(q_smem.dtype), p_layout)
+        if HSTU:
+            h = s * (scale * 0.5)
+            if HAS_BIAS:
+                if CAND_TILES:
+                    h = h + gl.expand_dims(bias, 0)
+                else:
+                    h = h + bias
+            p = h + h * _tanh(h)
+        else:
+            x = s * (scale * LOG2E)
+            m_new = gl.maximum(m_i, gl.max(x, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(x - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+            acc0 = acc0 * alpha_o
+            if O_PARTS == 2:
+                acc1 = acc1 * alpha_o
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         if O_PARTS == 1:
             acc0 = warpgroup_mma(p, v, acc0, is_async=True)
             acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
@@ -150,28 +169,32 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         mbarrier.arrive(free.index(stage), count=1)
 
-    _store_part(acc0, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end, 0,
-                HEAD_DIM, ACCUMULATE, O_LAYOUT)
+    # The partial: HSTU's over N, softmax's over its running sum (the split merge weighs it by m_i and l_i).
+    if HSTU:
+        norm = gl.full([SUB_M], inv_norm, gl.float32, gl.SliceLayout(1, O_LAYOUT))
+    else:
+        norm = gl.convert_layout(1.0 / gl.where(l_i > 0.0, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
+    ws_rows = ((split * total_q + q_start + row0 + gl.arange(0, SUB_M, layout=row_layout)) * num_heads
+               + head).to(gl.int64)
+    _store_part(acc0, norm, ws_ptr, ws_rows, row0, row_end, 0, HEAD_DIM, O_LAYOUT)
     if O_PARTS == 2:
-        _store_part(acc1, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
-                    PART, HEAD_DIM, ACCUMULATE, O_LAYOUT)
+        _store_part(acc1, norm, ws_ptr, ws_rows, row0, row_end, PART, HEAD_DIM, O_LAYOUT)
+    if not HSTU:
+        ok = row0 + gl.arange(0, SUB_M, layout=row_layout) < row_end
+        gl.store(ml_ptr + ws_rows * 2, m_i, mask=ok)
+        gl.store(ml_ptr + ws_rows * 2 + 1, l_i, mask=ok)
 
 
 @gluon.jit
-def _store_part(acc, ws_ptr, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end, col0,
-                HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, O_LAYOUT: gl.constexpr):
-    """Columns ``[col0, col0 + PART)`` of this split's partial ``[64, D]``: ``acc / N``, plus (``ACCUMULATE``, the
-    last split) what the portable kernel stored there."""
+def _store_part(acc, norm, ws_ptr, ws_rows, row0, row_end, col0, HEAD_DIM: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """Columns ``[col0, col0 + PART)`` of this split's partial ``[64, D]``: ``acc * norm`` (a factor per row) at
+    rows ``ws_rows`` of the partials ``[S + 1, total_q, H, D]`` (flattened over their first three dims)."""
     om = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
     od = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, O_LAYOUT))
-    ws_rows = ((split * total_q + q_start + row0 + om) * num_heads + head).to(gl.int64)
-    ptrs = ws_ptr + gl.expand_dims(ws_rows * HEAD_DIM, 1) + gl.expand_dims(od, 0)
-    ok = gl.expand_dims(row0 + om < row_end, 1)
-    out = acc * inv_norm
-    if ACCUMULATE:
-        if split == num_splits - 1:
-            out += gl.load(ptrs, mask=ok, other=0.0).to(gl.float32)
-    gl.store(ptrs, out.to(ws_ptr.dtype.element_ty), mask=ok)
+    rows = gl.convert_layout(ws_rows, gl.SliceLayout(1, O_LAYOUT))
+    ptrs = ws_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(od, 0)
+    out = acc * gl.expand_dims(norm, 1)
+    gl.store(ptrs, out.to(ws_ptr.dtype.element_ty), mask=gl.expand_dims(row0 + om < row_end, 1))
 
 
 # Integer arguments that change from batch to batch, passed as plain values (as the portable kernel's BATCH_ARGS):
@@ -181,12 +204,14 @@ BATCH_ARGS = ["num_splits", "split_len", "total_q"]
 
 @gluon.jit(do_not_specialize=BATCH_ARGS)
 def hopper_kernel(
-    q_ptr, ws_ptr, kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
+    q_ptr,                                            # queries [total_q, H, D] (strides stride_qt, stride_qh)
+    ws_ptr, ml_ptr,                                   # split partials [S + 1, total_q, H, D], softmax's (m, l) [.., 2]
+    kv_desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, cu_q_ptr, num_cand_ptr,
     tile_user_ptr, tile_row_ptr,                      # the tiles (int32 [n]) of one kind (CAND_TILES)
     tb_ptr,                                           # HAS_BIAS: the bias table's rows of that kind [.., stride_tb]
     num_heads, num_splits, split_len, total_q, stride_qt, stride_qh, stride_tb, scale, inv_norm,
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, ACCUMULATE: gl.constexpr,
+    HSTU: gl.constexpr, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr,
     M_PARTS: gl.constexpr,                            # programs per tile: its rows in parts of 64
     Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     O_PARTS: gl.constexpr,                            # accumulators of D / O_PARTS value columns (2 above D = 128)
@@ -214,10 +239,9 @@ def hopper_kernel(
     fence_async_shared()  # q's store and the barriers' init before the async proxy (wgmma, TMA) reads them
 
     gl.warp_specialize([
-        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, lo, n_blocks,
-                          scale * 0.5, inv_norm, split, num_splits, head, num_heads, total_q, q_start, row0, row_end,
-                          BLOCK_N, HEAD_DIM, STAGES, HAS_BIAS, CAND_TILES, ACCUMULATE, S_LAYOUT, O_LAYOUT,
-                          O_PARTS)),
+        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo,
+                          n_blocks, scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
+                          BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, S_LAYOUT, O_LAYOUT, O_PARTS)),
         (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
                         PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
     ], [1], [LOADER_REGS])
@@ -231,7 +255,7 @@ def hopper_kernel(
 # one warp runs), so MAXNREG x 256 registers each; the loader drops to LOADER_REGS and the compute group takes the
 # rest (up to 232 at 128). Sized for several programs per SM (registers and shared memory, sm_90: 64K registers,
 # 227 KB): head dim 64 three (80 registers, 57 KB), 128 two (128, 82 KB), 256 two (128, 98 KB: 32-key blocks).
-# Static figures (``python_tests/test_hopper_static.py``): no spill at these with Triton 3.6 or 3.9.
+# Static figures (``relaygr bench ptxas --hopper``): no spill at these with Triton 3.6 or 3.9.
 CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
 
 

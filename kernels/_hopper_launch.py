@@ -15,7 +15,7 @@ import torch
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "requested", "takes", "why_not", "block_n", "launch", "emulate"]
+__all__ = ["ENV", "requested", "takes", "why_not", "key_block", "block_n", "clear_slot", "launch", "emulate"]
 
 ENV = "RELAYGR_HOPPER_KERNEL"
 
@@ -41,12 +41,11 @@ def takes(block_m: int) -> bool:
     return block_m in (64, 128)
 
 
-def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: bool, head_dim: int,
-            page_size: int, block_m: int, kv_cache: torch.Tensor, persistent: bool, value_splits,
-            fixed_block_n) -> Optional[str]:
-    """Why a call cannot run the Hopper kernel (None: it can): it takes HSTU tiles of 64 or 128 rows (``block_m``:
-    the candidate tiles'; history tiles of another height stay on the portable kernel) in bf16/fp16 on an sm_90
-    GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key blocks, one program
+def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_dim: int, page_size: int,
+            block_m: int, kv_cache: torch.Tensor, persistent: bool, value_splits, fixed_block_n) -> Optional[str]:
+    """Why a call cannot run the Hopper kernel (None: it can): it takes tiles of 64 or 128 rows (``block_m``: the
+    candidate tiles'; history tiles of another height stay on the portable kernel), HSTU or softmax, in bf16/fp16
+    on an sm_90 GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key blocks, one program
     per tile (no persistent grid, value splits or fixed key block)."""
     from ._hopper import CONFIGS
 
@@ -58,8 +57,7 @@ def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: 
         import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
     except ImportError as err:
         return f"needs Triton's Gluon with Hopper support ({err})"
-    problems = [(not hstu, "mode='hstu' only"),
-                (dtype not in (torch.bfloat16, torch.float16), f"bf16 or fp16 only, got {dtype}"),
+    problems = [(dtype not in (torch.bfloat16, torch.float16), f"bf16 or fp16 only, got {dtype}"),
                 (quantized, "pages in the model's dtype only"),
                 (head_dim not in CONFIGS, f"head dim 64, 128 or 256, got {head_dim}"),
                 (head_dim in CONFIGS and page_size % block_n(head_dim) != 0,
@@ -73,15 +71,34 @@ def why_not(*, device: torch.device, hstu: bool, dtype: torch.dtype, quantized: 
     return next((why for bad, why in problems if bad), None)
 
 
-def launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
-           block_m: int, cand: bool, table, *, page_size: int, num_splits: int, split_len: int, scale: float,
-           inv_norm: float) -> None:
-    """Add the full cached key blocks of ``tiles`` (int32 ``[2, n]``: user and first segment row of each tile of
-    ``block_m`` rows, candidate tiles if ``cand`` else history tiles) into the split partials ``ws [S, total_q, H,
-    D]``: split ``s`` of each (tile, head) writes its share of them, the last split on top of what is there (the
-    portable kernel's ``SKIP_FULL`` launch, before this one on the stream). ``table``: the rows of the bias table for
-    this kind of tile (candidate tiles: one per user; history tiles: one per tile row), halved; None without a
-    bias."""
+def key_block(hopper_kernel: Optional[bool], **call) -> int:
+    """The Hopper kernel's key block where a call (``call``: :func:`why_not`'s arguments) runs it, else 0; with
+    ``hopper_kernel=True`` where it cannot, ``ValueError`` naming why."""
+    why = why_not(**call)
+    if why is not None and hopper_kernel:
+        raise ValueError(f"hopper_kernel=True cannot run here: {why}")
+    return block_n(call["head_dim"]) if why is None else 0
+
+
+def clear_slot(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> None:
+    """Make one slot of the split partials (``ws [total_q, H, D]``, softmax's ``ml [total_q, H, 2]``) add nothing
+    to the merge, for rows whose tiles no launch writes into it: HSTU's zero; softmax's a split without keys (the
+    kernels' initial running max, a zero sum)."""
+    ws.zero_()
+    if ml is not None:
+        ml[..., 0].fill_(-1.0e30)
+        ml[..., 1].zero_()
+
+
+def launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+           block_m: int, cand: bool, table, *, hstu: bool, page_size: int, num_splits: int, split_len: int,
+           scale: float, inv_norm: float) -> None:
+    """Write the full cached key blocks of ``tiles`` (int32 ``[2, n]``: user and first segment row of each tile of
+    ``block_m`` rows, candidate tiles if ``cand`` else history tiles) as split partials: split ``s`` of each (tile,
+    head) its share of them into ``ws[s]`` (``ws [S + 1, total_q, H, D]``; slot ``S``, the rest of the keys, is the
+    portable kernel's), softmax's running max and sum into ``ml[s]`` (``[S + 1, total_q, H, 2]`` fp32; unused for
+    HSTU). ``table``: the rows of the bias table for this kind of tile (candidate tiles: one per user; history
+    tiles: one per tile row), halved; None without a bias (always for softmax)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import _hopper as H
@@ -99,21 +116,22 @@ def launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_
     tb = ws if table is None else table
     with C.device_guard(q.device):
         H.hopper_kernel[(programs,)](
-            q, ws, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0], tiles[1],
-            tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
+            q, ws, ml, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0],
+            tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
-            HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=table is not None,
-            CAND_TILES=cand, ACCUMULATE=True, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4,
-            maxnreg=maxnreg)
+            HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
+            CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
 
 
-def emulate(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
-            block_m: int, cand: bool, table, *, page_size: int, num_splits: int, split_len: int, scale: float,
-            inv_norm: float, halved: bool = True, key_block: Optional[int] = None) -> None:
+def emulate(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+            block_m: int, cand: bool, table, *, hstu: bool, page_size: int, num_splits: int, split_len: int,
+            scale: float, inv_norm: float, halved: bool = True, key_block: Optional[int] = None) -> None:
     """What :func:`launch` writes, in torch (fp32 math; the tests' stand-in where no sm_90 GPU runs it, and its
-    reference on one): for each row of the tiles, head and split, ``sum SiLU(q.k_j scale + bias_j) v_j / N`` over
-    the split's share of the user's full cached key blocks, into ``ws``, the last split added to what is there.
-    ``halved``: the table's entries are half the bias (the fast-SiLU form the kernel reads)."""
+    reference on one): for each row of the tiles, head and split ``s``, over the split's share of the user's full
+    cached key blocks, HSTU's ``sum SiLU(q.k_j scale + bias_j) v_j / N`` into ``ws[s]``, or softmax's
+    ``sum 2^(x_j - m) v_j / l`` with ``x_j = q.k_j scale log2(e)``, its max ``m`` (``-1e30`` without keys) and sum
+    ``l`` into ``ws[s]`` and ``ml[s]``. ``halved``: the table's entries are half the bias (the fast-SiLU form the
+    kernel reads)."""
     total_q, num_heads, head_dim = q.shape
     bn = key_block or block_n(head_dim)
     cu, ncand = cu_seqlens_q.tolist(), num_candidates.tolist()
@@ -129,17 +147,24 @@ def emulate(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens
         pages = kv_indices[indptr[user]:indptr[user + 1]].long()
         keys = kv_cache[pages, 0].reshape(-1, num_heads, head_dim)[:full].float()
         vals = kv_cache[pages, 1].reshape(-1, num_heads, head_dim)[:full].float()
-        bias = torch.zeros(len(rows), full, device=q.device)
+        logits = torch.einsum("rhd,khd->hrk", q[rows].float(), keys) * scale  # [H, rows, full]
         if table is not None:
             trows = [user] * len(rows) if cand else [t * block_m + r for r in range(len(rows))]
-            bias = table[trows, :full].float() * (2.0 if halved else 1.0)
-        w = torch.nn.functional.silu(torch.einsum("rhd,khd->hrk", q[rows].float(), keys) * scale + bias)
+            logits = logits + table[trows, :full].float() * (2.0 if halved else 1.0)
         for s in range(num_splits):
             lo, hi = s * split_len, min((s + 1) * split_len, full)
             part = torch.zeros(len(rows), num_heads, head_dim, device=q.device)
-            if hi > lo:
-                part = torch.einsum("hrk,khd->rhd", w[:, :, lo:hi], vals[lo:hi]) * inv_norm
-            if s == num_splits - 1:
-                part = part + ws[s, rows].float()
+            m = torch.full((num_heads, len(rows)), -1.0e30, device=q.device)
+            l = torch.zeros(num_heads, len(rows), device=q.device)
+            if hi > lo and hstu:
+                w = torch.nn.functional.silu(logits[:, :, lo:hi])
+                part = torch.einsum("hrk,khd->rhd", w, vals[lo:hi]) * inv_norm
+            elif hi > lo:
+                x = logits[:, :, lo:hi] * 1.4426950408889634
+                m = x.amax(-1)
+                p = torch.exp2(x - m.unsqueeze(-1))
+                l = p.sum(-1)
+                part = torch.einsum("hrk,khd->rhd", p, vals[lo:hi]) / l.t().unsqueeze(-1)
             ws[s, rows] = part.to(ws.dtype)
-
+            if not hstu:
+                ml[s, rows] = torch.stack((m, l), -1).transpose(0, 1)

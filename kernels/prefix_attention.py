@@ -192,10 +192,11 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         (:func:`~relaygr_engine.kernels._split.split_dtype`). ``torch.float32`` keeps a 16-bit model's partials at
         fp32.
     hopper_kernel : bool, optional
-        HSTU tiles' full cached key blocks on the warp-specialised sm_90 kernel
-        (:mod:`~relaygr_engine.kernels._hopper`), the rest on this one (history tiles whose bias the kernel would
-        compute in place of a table stay on this one). Default (None): ``RELAYGR_HOPPER_KERNEL=1``
-        uses it where it can run; ``True`` raises ``ValueError`` naming why where it cannot. Not yet run on a GPU.
+        Tiles' full cached key blocks on the warp-specialised sm_90 kernel (:mod:`~relaygr_engine.kernels._hopper`,
+        HSTU or softmax), the rest on this one as one more split partial, on a second stream where
+        ``concurrent_tiles`` allows (history tiles whose HSTU bias the kernel would compute in place of a table
+        stay on this one). Default (None): ``RELAYGR_HOPPER_KERNEL=1`` uses it where it can run; ``True`` raises
+        ``ValueError`` naming why where it cannot. Not yet run on a GPU.
 
     Returns
     -------
@@ -286,18 +287,14 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
                          f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
-    hopper = 0  # > 0: the key block of the Hopper kernel taking the tiles' full cached blocks
-    if use_hopper:
-        why = HL.why_not(device=device, hstu=hstu, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
-                         page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
-                         value_splits=value_splits, fixed_block_n=block_n)
-        if why is not None and hopper_kernel:
-            raise ValueError(f"hopper_kernel=True cannot run here: {why}")
-        hopper = HL.block_n(head_dim) if why is None else 0
+    hopper = HL.key_block(hopper_kernel, device=device, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
+                          page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
+                          value_splits=value_splits, fixed_block_n=block_n) if use_hopper else 0  # (its key block)
     ws = ml = q  # stand-ins without SPLIT (never written)
-    if num_splits > 1 or hopper:  # (the Hopper kernel adds its share to the partials: always through them)
-        ws = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
-        ml = ws if hstu else torch.empty((num_splits, total_q, num_heads, 2), dtype=torch.float32, device=device)
+    if num_splits > 1 or hopper:  # (with the Hopper kernel, slot S holds the portable kernel's rest of the keys)
+        slots = num_splits + (hopper > 0)
+        ws = torch.empty((slots, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
+        ml = ws if hstu else torch.empty((slots, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits = _ts_bits(ts_bias.numel()) if has_ts else 1
     ts_table = has_ts and ts_fn is not TimeBucket.LOG2
@@ -355,24 +352,29 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     launches = [(cand, tiles, rows) for cand, tiles, rows in ((False, plan.hist_tiles, plan.hist_block_m),
                                                               (True, plan.cand_tiles, plan.block_m))
                 if tiles.shape[1] * num_heads > 0]
+    # The Hopper kernel takes the full cached blocks of the tiles it takes (history tiles' where they read the bias
+    # table or have none), the portable kernel the rest, one program per tile, into slot S, on the side stream.
+    skips = [hopper if HL.takes(rows) and (cand or hist_table or not (has_pos or has_ts)) else 0
+             for cand, _, rows in launches]
+    if hopper:
+        concurrent = device.type == "cuda" and concurrent_tiles is not False
+        if not all(skips):  # rows the portable kernel splits as ever: slot S must add nothing to them
+            HL.clear_slot(ws[num_splits], None if hstu else ml[num_splits])
     with C.device_guard(device), C.tile_streams(device, concurrent) as on:
-        for cand, tiles, rows in launches:
-            # The Hopper kernel takes the full cached blocks: history tiles' too where they read the bias table (or
-            # have no bias) in tiles it takes; the portable kernel the rest, one program per tile, into the last split.
-            skip = hopper if HL.takes(rows) and (cand or hist_table or not (has_pos or has_ts)) else 0
+        for (cand, tiles, rows), skip in zip(launches, skips):
             work, (splits_of, keys_of) = tiles.shape[1] * num_heads, (
                 (1, C.cdiv(plan.max_context_len, 16) * 16) if skip else (num_splits, split_len))
             programs = C.num_programs(device, work * splits_of, persistent)
             rows_of = dummy if table is None or not (cand or hist_table) else table if cand else table[user_rows:]
-            with on(side=not cand):
-                kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws[num_splits - 1:] if skip else ws,
-                                        ml, num_heads, work * splits_of, programs, splits_of, keys_of, total_q,
-                                        *shape, BLOCK_M=rows, CAND_TILES=cand, HIST_TABLE=hist_table and not cand,
-                                        SKIP_FULL=skip, **meta, **extra)
-                if skip:  # the full blocks, each split's share added to it (kernels._hopper)
-                    HL.launch(q, ws, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates,
-                              tiles, rows, cand, None if table is None else rows_of, page_size=page_size,
-                              num_splits=num_splits, split_len=split_len, scale=scale, inv_norm=inv_norm)
+            with on(side=not cand or hopper > 0):
+                kernel[_grid(programs)](*head, tiles[0], tiles[1], *tail, rows_of, ws[num_splits:] if skip else ws,
+                                        ml[num_splits:] if skip and not hstu else ml, num_heads, work * splits_of,
+                                        programs, splits_of, keys_of, total_q, *shape, BLOCK_M=rows, CAND_TILES=cand,
+                                        HIST_TABLE=hist_table and not cand, SKIP_FULL=skip, **meta, **extra)
+            if skip:  # the full blocks, a partial per split (kernels._hopper)
+                HL.launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates,
+                          tiles, rows, cand, None if table is None else rows_of, hstu=hstu, page_size=page_size,
+                          num_splits=num_splits, split_len=split_len, scale=scale, inv_norm=inv_norm)
     if num_splits > 1 or hopper:
         merge_splits(ws, None if hstu else ml, out)
     return out

@@ -1,6 +1,6 @@
-"""The sm_90 candidate kernel (kernels/_hopper.py) and its place beside the portable one.
+"""The sm_90 kernel (kernels/_hopper.py) and its place beside the portable one.
 
-Without an sm_90 GPU: the split of a candidate tile's keys between the two kernels (the portable kernel's
+Without an sm_90 GPU: the split of a tile's keys between the two kernels (the portable kernel's
 ``SKIP_FULL`` share in the interpreter, the Hopper kernel's through its torch twin ``emulate``) adds up to the
 reference exactly; what may and may not run it; and its offline compile for sm_90 (registers, spills, shared memory,
 instruction mix). On one, the kernel itself against the reference (``gpu`` tests, skipped here).
@@ -16,6 +16,7 @@ from kernel_problems import attention_kwargs, check_attention, gpu, make_problem
 
 from relaygr_engine.kernels import _hopper_launch as HL
 from relaygr_engine.kernels import prefix_attention as pa
+from relaygr_engine.kernels._prefix_config import KernelConfig
 from relaygr_engine.kernels.reference import prefix_attention_ref
 
 USERS = [(45, 20, 9), (16, 3, 0), (0, 7, 5), (33, 0, 17), (64, 2, 3), (100, 1, 40)]
@@ -30,23 +31,44 @@ def stand_in(monkeypatch, launch=None, key_block=16):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("which", [("pos", "ts"), ("pos",), ()])
-def test_the_two_kernels_shares_add_up_to_the_reference(which, monkeypatch):
-    """Candidate tiles' full cached blocks by the Hopper kernel's twin, the rest (the last partial block, the new
-    history, the self term) by the portable kernel with SKIP_FULL into the last split, history tiles as ever:
-    the reference's within 1e-4, split or not, 16- and 32-key blocks, with and without the bias table (had the
-    portable kernel not skipped the full blocks, the twin's share would count them twice). Without the twin's
-    share it fails."""
+@pytest.mark.parametrize("mode, which", [("hstu", ("pos", "ts")), ("hstu", ("pos",)), ("hstu", ()),
+                                         ("softmax", ())])
+def test_the_two_kernels_shares_add_up_to_the_reference(mode, which, monkeypatch):
+    """Tiles' full cached blocks by the Hopper kernel's twin, one partial per split, the rest (the last partial
+    block, the new history, the self term) by the portable kernel with SKIP_FULL as one more partial, merged: the
+    reference's within 1e-4, split or not, 16- and 32-key blocks, with and without the bias table, HSTU and softmax
+    (had the portable kernel not skipped the full blocks, the twin's share would count them twice). Without the
+    twin's share it fails."""
     args, bias = make_problem(USERS, 16, 2, 32, seed=3)
-    kw = attention_kwargs("hstu", bias, 32, which)
+    kw = attention_kwargs(mode, bias, 32, which)
     for key_block, splits in ((16, None), (16, 3), (32, 2)):
         stand_in(monkeypatch, key_block=key_block)
         for block_m in (16, 32):
             check_attention(args, kw, persistent=False, block_m=block_m, block_n=16, splits=splits,
                             hopper_kernel=True)
-    stand_in(monkeypatch, launch=lambda *a, **k: None)  # the Hopper share missing
+    stand_in(monkeypatch, launch=lambda *a, **k: None)  # the Hopper share missing (its slots zero)
     with pytest.raises(AssertionError):
         check_attention(args, kw, persistent=False, block_m=16, block_n=16, splits=2, hopper_kernel=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["hstu", "softmax"])
+def test_rows_the_hopper_kernel_does_not_take_see_a_neutral_extra_slot(mode, monkeypatch):
+    """History tiles of a height the Hopper kernel does not take stay on the portable kernel's usual splits; the
+    extra slot (the rest of the candidate tiles' keys) must add nothing to their rows: the reference's within 1e-4
+    although the slot is first filled with garbage."""
+    args, bias = make_problem(USERS, 16, 2, 32, seed=4)
+    kw = attention_kwargs(mode, bias, 32)
+    stand_in(monkeypatch, key_block=16)
+    monkeypatch.setattr(HL, "takes", lambda block_m: block_m == 32)  # candidate tiles only
+    monkeypatch.setattr(pa, "pick_config", lambda *a, **k: KernelConfig(32, 16, hist_block_m=16))
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    for splits in (None, 2):
+        check_attention(args, kw, persistent=False, splits=splits, hopper_kernel=True)
+    monkeypatch.setattr(HL, "launch", lambda *a, **k: None)  # (and the test can fail: without the Hopper share)
+    with pytest.raises(AssertionError):
+        check_attention(args, kw, persistent=False, splits=2, hopper_kernel=True)
 
 
 def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
@@ -71,7 +93,7 @@ def test_per_batch_integers_are_not_specialised():
 
 def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     cache = torch.zeros(4, 2, 64, 4, 256, dtype=torch.bfloat16)
-    ok = dict(device=torch.device("cuda"), hstu=True, dtype=torch.bfloat16, quantized=False, head_dim=256,
+    ok = dict(device=torch.device("cuda"), dtype=torch.bfloat16, quantized=False, head_dim=256,
               page_size=64, block_m=128, kv_cache=cache, persistent=False, value_splits=None, fixed_block_n=None)
     assert "CUDA device" in HL.why_not(**dict(ok, device=torch.device("cpu")))
     monkeypatch.setattr(HL, "_capability", lambda index: (10, 0))
@@ -79,7 +101,7 @@ def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     monkeypatch.setattr(HL, "_capability", lambda index: (9, 0))
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     assert HL.why_not(**ok) is None
-    for change, words in ((dict(hstu=False), "hstu"), (dict(dtype=torch.float32), "bf16 or fp16"),
+    for change, words in ((dict(dtype=torch.float32), "bf16 or fp16"),
                           (dict(quantized=True), "model's dtype"), (dict(head_dim=96), "head dim"),
                           (dict(page_size=48), "page_size"), (dict(block_m=32), "64 or 128 rows"),
                           (dict(persistent=True), "persistent"), (dict(value_splits=2), "value splits"),
@@ -104,9 +126,10 @@ def test_asked_where_it_cannot_run_it_refuses_or_steps_aside(monkeypatch):
 def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     """Static, no GPU (``relaygr bench ptxas --hopper``, in its own process: the interpreter this one runs in would
     capture the compile): each head dim's config compiles for sm_90 with no spill and no local access in its key
-    loop, for candidate and history tiles, its registers (8 warps a program) and shared memory fit three programs on
-    an SM at head dim 64 and two at 128 and 256, its key loop issues wgmma and one tanh per score, its K/V arrive
-    through TMA, and both biases add under 15% to the instructions of either tile kind."""
+    loop, for HSTU's candidate and history tiles and softmax's, its registers (8 warps a program) and shared memory
+    fit three programs on an SM at head dim 64 and two at 128 and 256, its key loop issues wgmma and one special
+    function per score (HSTU's tanh; softmax's exp2, and one a row for the max's correction), its K/V arrive
+    through TMA, and both biases add under 15% to the instructions of either HSTU tile kind."""
     import json
     import os
     import subprocess
@@ -121,20 +144,24 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     got = json.loads(out.read_text())["result"]
     assert proc.stdout.strip().splitlines()[-1].startswith("RESULT hopper_spilling=0 hopper_loop_local=0")
     assert (got["hopper_spilling"], got["hopper_loop_local"]) == (0, 0)
-    for (d, per_sm), at in itertools.product(((64, 3), (128, 2), (256, 2)), ("d", "hist_d")):
+    for (d, per_sm), at in itertools.product(((64, 3), (128, 2), (256, 2)), ("d", "hist_d", "softmax_d")):
         assert got[f"hopper_programs_per_sm_{at}{d}"] >= per_sm
         assert got[f"hopper_loop_mma_{at}{d}"] > 0 and got[f"hopper_tma_copies_{at}{d}"] > 0
-        assert got[f"hopper_mufu_per_score_{at}{d}"] == 1.0
+        if at == "softmax_d":  # one exp2 a score, and one a row for the running max's correction (2 rows a thread)
+            bn = 64 if d < 256 else 32
+            assert got[f"hopper_mufu_per_score_{at}{d}"] == pytest.approx(1.0 + 2 / (64 * bn / 128), abs=1e-3)
+        else:
+            assert got[f"hopper_mufu_per_score_{at}{d}"] == 1.0
     assert 1.0 < got["hopper_bias_instr_ratio_cand"] < 1.15 and 1.0 < got["hopper_bias_instr_ratio_hist"] < 1.15
 
 
 def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
     """``bench kernels --hopper-kernel no,yes``: one geomean time per setting and the long shapes' matmul fraction
-    of each in its own field (the portable kernel's as before)."""
+    of each mode and setting in its own field (the portable kernel's as before)."""
     from relaygr_engine.bench import kernels_summary as S
 
-    def row(hk, ms, frac):
-        return dict(shape="x", mode="hstu", block_m=128, speedup_vs_gathered=1.0, speedup_vs_recompute=2.0,
+    def row(hk, ms, frac, mode="hstu"):
+        return dict(shape="x", mode=mode, block_m=128, speedup_vs_gathered=1.0, speedup_vs_recompute=2.0,
                     paged_overhead=0.0, max_abs_err=1e-3, time_ms=ms, prefix=4096, new=32, cands=256, users=4,
                     matmul_fraction=frac, hopper_kernel=hk, tflops=100.0, gbps=1.0, plan_ms=0.1,
                     speedup_vs_flashinfer=None, flashinfer_note="-")
@@ -145,6 +172,10 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
     assert "hk" in S.header(True) and S.row_line(row(True, 1.0, 0.5)).split()[7] == "y"
     plain = S.summarize([row(False, 2.0, 0.25)], device="cuda", dtype="bfloat16")
     assert "geomean_ms_hopper_no" not in plain and "matmul_fraction_long_hstu_hopper" not in plain
+    both = S.summarize([row(False, 2.0, 0.25), row(True, 1.0, 0.5), row(False, 4.0, 0.2, "softmax"),
+                        row(True, 1.0, 0.8, "softmax")], device="cuda", dtype="bfloat16")
+    assert (both["matmul_fraction_long_softmax"], both["matmul_fraction_long_softmax_hopper"]) == (0.2, 0.8)
+    assert (both["matmul_fraction_long_hstu"], both["matmul_fraction_long_hstu_hopper"]) == (0.25, 0.5)
     from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
 
     key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)
@@ -158,9 +189,9 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
 @needs_cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
-    """On sm_90: the kernel alone against ``emulate`` on the same split partials (random bias rows, 3 splits, the
-    last added to what is there), for candidate and history tiles: within bf16 tolerance, and nothing else of ``ws``
-    touched."""
+    """On sm_90: the kernel alone against ``emulate`` on the same split partials (3 splits and the portable
+    kernel's slot), for HSTU's candidate and history tiles (random bias rows) and softmax's candidate tiles: within
+    bf16 tolerance (softmax's running max and sum within fp32's), and nothing else of the partials touched."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (300, 3, 1)]
@@ -168,30 +199,36 @@ def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
     meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
     plan = pa.plan_prefix_attention(**{n: args[n] for n in meta}, kv_cache=args["kv_cache"])
     kw = dict(page_size=64, num_splits=3, split_len=448, scale=head_dim ** -0.5, inv_norm=1 / 64)
-    for cand, tiles, block_m in ((True, plan.cand_tiles, plan.block_m), (False, plan.hist_tiles, plan.hist_block_m)):
+    for hstu, cand, tiles, block_m in ((True, True, plan.cand_tiles, plan.block_m),
+                                       (True, False, plan.hist_tiles, plan.hist_block_m),
+                                       (False, True, plan.cand_tiles, plan.block_m)):
         if not HL.takes(block_m):
             continue
         table = torch.randn(max(len(users), tiles.shape[1] * block_m), 1024 + 128, device="cuda") * 0.25
-        ws = torch.randn(3, *args["q"].shape, device="cuda").to(torch.bfloat16)
-        twin = ws.clone()
-        common = (args["q"], None, args["kv_cache"], args["kv_indices"], args["kv_indptr"], args["kv_last_page_len"],
-                  args["cu_seqlens_q"], args["num_candidates"], tiles, block_m, cand, table)
-        HL.launch(*common[:1], ws, *common[2:], **kw)
-        HL.emulate(*common[:1], twin, *common[2:], **kw, halved=True)
-        torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2, msg=f"candidate tiles: {cand}")
+        ws = torch.randn(4, *args["q"].shape, device="cuda").to(torch.bfloat16)
+        ml = torch.randn(4, *args["q"].shape[:2], 2, device="cuda")
+        twin, twin_ml = ws.clone(), ml.clone()
+        common = (args["kv_cache"], args["kv_indices"], args["kv_indptr"], args["kv_last_page_len"],
+                  args["cu_seqlens_q"], args["num_candidates"], tiles, block_m, cand, table if hstu else None)
+        HL.launch(args["q"], ws, ml, *common, hstu=hstu, **kw)
+        HL.emulate(args["q"], twin, twin_ml, *common, hstu=hstu, **kw, halved=True)
+        what = f"hstu={hstu} candidate tiles={cand}"
+        torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2, msg=what)
+        torch.testing.assert_close(ml, twin_ml, atol=1e-3, rtol=1e-4, msg=what)
 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["hstu", "softmax"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim):
-    """On sm_90 (skipped elsewhere): the candidate tiles' full blocks on the Hopper kernel, split or not, eagerly
-    and replayed in a CUDA graph, within bf16 tolerance of the reference; its partials equal its torch twin's."""
+def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim, mode):
+    """On sm_90 (skipped elsewhere): the tiles' full blocks on the Hopper kernel, split or not, eagerly and
+    replayed in a CUDA graph, within bf16 tolerance of the reference, HSTU with both biases and softmax."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
     args, bias = make_problem(users, 64, 4, head_dim, device="cuda", dtype=torch.bfloat16)
-    kw = attention_kwargs("hstu", bias, head_dim)
+    kw = attention_kwargs(mode, bias, head_dim)
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     for splits in (None, 1, 5):
         out = pa.prefix_attention(**args, **kw, splits=splits, hopper_kernel=True)

@@ -177,7 +177,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
     the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None).
-    ``hopper_kernel``: HSTU candidate tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``)."""
+    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``)."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import split_dtype as partials_dtype
     from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
@@ -306,9 +306,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the split partials' dtype: model (the launcher's: the model's, bf16 on CUDA; fp32 in the "
                          "interpreter) and/or fp32, fp16, bf16, comma-separated to compare, e.g. model,fp32")
     ap.add_argument("--hopper-kernel", default="no",
-                    help="HSTU candidate tiles' full cached blocks on the warp-specialised sm_90 kernel (yes) or "
-                         "the portable one (no): comma-separated to compare, e.g. no,yes (yes: HSTU shapes on an "
-                         "sm_90 GPU only; softmax shapes run once, with no)")
+                    help="tiles' full cached blocks on the warp-specialised sm_90 kernel (yes; HSTU and softmax) "
+                         "or the portable one (no): comma-separated to compare, e.g. no,yes (yes: an sm_90 GPU "
+                         "only)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -366,8 +366,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     for shape, block_m, n_splits, n_v, cc, sd, hk in itertools.product(shapes, block_ms, splits, v_splits,
                                                                        concurrent, split_dtypes, hoppers):
-        if hk and shape.mode != "hstu":
-            continue
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,

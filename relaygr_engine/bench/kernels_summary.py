@@ -3,6 +3,7 @@ or recomputed from the JSON of runs that split the shapes between them (``--summ
 dim where a machine's time per call is limited)."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Optional
@@ -14,8 +15,8 @@ NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
         "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
-        "partials' dtype; hk: HSTU candidate tiles' full cached blocks on the sm_90 kernel (y) or the portable "
-        "one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y) or the portable one (n). On CUDA "
+        "every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -85,14 +86,12 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
         # measured in its run for its own FLOPs).
-        # (The rows on the sm_90 candidate kernel, where a run compares it, in their own field: ..._hopper.)
+        # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
-        for m in modes:
-            summary[f"matmul_fraction_long_{m}"] = _geo([r["matmul_fraction"] for r in long
-                                                         if r["mode"] == m and not r.get("hopper_kernel")])
-        if any(r.get("hopper_kernel") for r in long):
-            summary["matmul_fraction_long_hstu_hopper"] = _geo([r["matmul_fraction"] for r in long
-                                                                if r.get("hopper_kernel")])
+        for m, hk in itertools.product(modes, (False, True)):
+            picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk]
+            if picked or not hk:
+                summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
     return summary
 
 

@@ -1,6 +1,6 @@
-"""``relaygr bench ptxas --hopper``: the sm_90 kernel for HSTU tiles' full cached blocks (``kernels/_hopper.py``,
-Gluon) compiled offline at each head dim's config, for candidate and history tiles, beside what ``--defaults``
-reports for the portable kernel: registers (a program is 8 warps: the compute warp group and the loader's), spill
+"""``relaygr bench ptxas --hopper``: the sm_90 kernel for tiles' full cached blocks (``kernels/_hopper.py``, Gluon)
+compiled offline at each head dim's config, for HSTU's candidate and history tiles and softmax's, beside what
+``--defaults`` reports for the portable kernel: registers (a program is 8 warps: the compute warp group and the loader's), spill
 bytes, shared memory, programs per SM, the instruction mix of the whole kernel and of its key loop with the loop's
 instructions per score, and the instructions with both biases over those with none (each tile kind's worst)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Optional
 __all__ = ["compile_hopper", "report", "main"]
 
 
-def compile_hopper(head_dim: int, *, cand: bool = True, bias: bool = True, dtype: str = "bf16", page_size: int = 64,
-                   heads: int = 4, arch: int = 90):
+def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias: bool = True, dtype: str = "bf16",
+                   page_size: int = 64, heads: int = 4, arch: int = 90):
     """Compile the kernel's config at ``head_dim`` for ``sm_<arch>`` with no GPU (:func:`ptxas.compile_kernel`,
     specialised as a launch would be): the compiled kernel (``asm['ptx']``, ``asm['cubin']``, ``metadata.shared``)."""
     import torch
@@ -28,12 +28,12 @@ def compile_hopper(head_dim: int, *, cand: bool = True, bias: bool = True, dtype
     rows = 2 * page_size * 16
     desc = TensorDescriptor(torch.empty(rows, heads * head_dim, dtype=torch_dtype(dtype)), [rows, heads * head_dim],
                             [heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
-    types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
+    types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "ml_ptr": f"*{dtype}" if hstu else "*fp32", "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
              "scale": "fp32", "inv_norm": "fp32",
              **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                     "tile_user_ptr", "tile_row_ptr")}}
-    constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HAS_BIAS=bias,
-                      CAND_TILES=cand, ACCUMULATE=True, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
+    constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu,
+                      HAS_BIAS=bias and hstu, CAND_TILES=cand, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
     # the strides a launch passes: a fused projection's rows, the head dim, a bias table's rows (multiples of 16)
     values = dict(num_heads=heads, stride_qt=4 * heads * head_dim, stride_qh=head_dim, stride_tb=4096 + 16)
     return compile_kernel(H.hopper_kernel, types, constexprs, arch=arch, num_warps=4, values=values,
@@ -41,44 +41,47 @@ def compile_hopper(head_dim: int, *, cand: bool = True, bias: bool = True, dtype
 
 
 def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -> dict:
-    """Print one line per head dim and return the RESULT fields: ``hopper_spilling=`` and ``hopper_loop_local=``
-    (configs that spill, that touch local memory in the key loop), and per head dim ``_d<D>``: programs per SM,
-    key-loop instructions per score, key-loop MMAs, special-function instructions per score, TMA copies (candidate
-    tiles; history tiles' with ``_hist_d<D>``)."""
+    """Print one line per head dim and tile kind and return the RESULT fields: ``hopper_spilling=`` and
+    ``hopper_loop_local=`` (configs that spill, that touch local memory in the key loop), and per head dim
+    ``_d<D>``: programs per SM, key-loop instructions per score, key-loop MMAs, special-function instructions per
+    score, TMA copies (HSTU candidate tiles with both biases; history tiles' with ``_hist_d<D>``, softmax's with
+    ``_softmax_d<D>``)."""
     import triton
 
     from ..kernels import _hopper as H
     from .ptxas import ptxas_report
     from .sass import instruction_mix
 
-    print(f"hopper kernel (Gluon, warp-specialised; candidate and history tiles) target=sm_{arch} dtype=bf16 page_size=64 "
-          f"triton={triton.__version__} (static report, nothing launched)")
-    print(f"{'D':>4} {'tile':>4} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
+    print(f"hopper kernel (Gluon, warp-specialised; HSTU candidate and history tiles, softmax) target=sm_{arch} "
+          f"dtype=bf16 page_size=64 triton={triton.__version__} (static report, nothing launched)")
+    print(f"{'D':>4} {'tile':>7} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
           f"{'smem':>7} {'p/sm':>4} {'instr':>6} {'mma':>4} {'async':>5} {'loop':>5} {'mma':>4} {'mufu':>4} "
           f"{'lcl':>3} {'instr/score':>11}")
     fields: dict = {"hopper_spilling": 0, "hopper_loop_local": 0}
-    for d, cand in itertools.product(head_dims, (True, False)):
+    for d, kind in itertools.product(head_dims, ("cand", "hist", "softmax")):
         bn, stages, maxnreg = H.CONFIGS[d]
-        kernel = compile_hopper(d, cand=cand, arch=arch)
+        hstu, cand = kind != "softmax", kind != "hist"
+        kernel = compile_hopper(d, hstu=hstu, cand=cand, arch=arch)
         regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
         whole, loop = instruction_mix(kernel.asm["cubin"])
         smem = kernel.metadata.shared
         per_sm = min(65536 // (regs * 256), smem_limit // max(smem, 1))
         per_score = loop.instructions * 128 / (64 * bn)  # a thread's loop instructions over its scores
-        print(f"{d:>4} {'cand' if cand else 'hist':>4} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} "
+        print(f"{d:>4} {kind:>7} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} "
               f"{spill_ld:>8} {smem:>7} {per_sm:>4} {whole.instructions:>6} {whole.mma:>4} {whole.async_copies:>5} "
               f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f}")
         fields["hopper_spilling"] += spill_st > 0
         fields["hopper_loop_local"] += loop.local > 0
-        at = f"d{d}" if cand else f"hist_d{d}"
+        at = {"cand": f"d{d}", "hist": f"hist_d{d}", "softmax": f"softmax_d{d}"}[kind]
         fields[f"hopper_programs_per_sm_{at}"] = per_sm
         fields[f"hopper_loop_instr_per_score_{at}"] = round(per_score, 2)
         fields[f"hopper_loop_mma_{at}"] = loop.mma
         fields[f"hopper_mufu_per_score_{at}"] = round(loop.special * 128 / (64 * bn), 3)
         fields[f"hopper_tma_copies_{at}"] = whole.async_copies
-        plain = instruction_mix(compile_hopper(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
-        kind = f"hopper_bias_instr_ratio_{'cand' if cand else 'hist'}"
-        fields[kind] = round(max(fields.get(kind, 0.0), whole.instructions / plain.instructions), 3)
+        if hstu:
+            plain = instruction_mix(compile_hopper(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
+            ratio = f"hopper_bias_instr_ratio_{kind}"
+            fields[ratio] = round(max(fields.get(ratio, 0.0), whole.instructions / plain.instructions), 3)
     return fields
 
 
