@@ -18,7 +18,7 @@ one warp group of 64 rows and one loader warp:
   two or three programs on one SM (``maxnreg`` sized for it) interleave their tensor-core and special-function
   phases. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
   FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score; the accumulator rescaled in
-  registers when a row's running max grows).
+  registers only when a row's running max grows by a factor of more than 2^8).
 
 The rest of a tile's keys (the prefix's last partial block, the new history rows, a candidate's own key) is the
 portable kernel's (``SKIP_FULL``): it writes them as one more split partial, slot ``S`` of the partials, while this
@@ -43,6 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
+# Softmax rescales its accumulator and sum only when some row's running max grows by more than this (log2 domain):
+# until then the weights 2^(x - m) stay below 2^8, exact enough in bf16 and far from fp32's range, and the block
+# skips 2 x D / 2 multiplies a thread (a sixth of the loop at head dim 256). The stored (m, l) pair merges the same.
+RESCALE_AT = gl.constexpr(8.0)
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
 
 
@@ -113,8 +117,10 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
     """The compute warp group: the key blocks' weighted values in fp32, stored as this split's partial ``[64, D]``
     of the head. HSTU: ``sum_j SiLU(q.k_j scale + bias_j) v_j``, ``SiLU`` as ``h + h tanh(h)`` of ``h`` halved
     (the table's biases come halved). Softmax: ``sum_j 2^(x_j - m) v_j`` with ``x_j = q.k_j scale log2(e)``, the
-    running max ``m`` and sum ``l`` of each row (FlashAttention's online softmax). (The store is here, inside the
-    partition's raised register budget: the accumulator alone is 128 registers a thread at head dim 256.)"""
+    running max ``m`` and sum ``l`` of each row (FlashAttention's online softmax; ``m`` moves, and the accumulator
+    with it, only when a row's max has grown by more than ``RESCALE_AT``: one test for the warp group a block).
+    (The store is here, inside the partition's raised register budget: the accumulator alone is 128 registers a
+    thread at head dim 256.)"""
     PART: gl.constexpr = HEAD_DIM // O_PARTS  # value columns per accumulator (one wgmma's N: at most 128 here)
     LOG2E: gl.constexpr = 1.4426950408889634
     acc0 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)
@@ -151,14 +157,16 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
         else:
             x = s * (scale * LOG2E)
             m_new = gl.maximum(m_i, gl.max(x, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(x - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
-            acc0 = acc0 * alpha_o
-            if O_PARTS == 2:
-                acc1 = acc1 * alpha_o
+            if gl.max(m_new - m_i, axis=0) > RESCALE_AT:  # (else every row's weights stay below 2^RESCALE_AT)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+                acc0 = acc0 * alpha_o
+                if O_PARTS == 2:
+                    acc1 = acc1 * alpha_o
+            p = gl.exp2(x - gl.expand_dims(m_i, 1))
+            l_i = l_i + gl.sum(p, axis=1)
         p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         if O_PARTS == 1:
             acc0 = warpgroup_mma(p, v, acc0, is_async=True)

@@ -130,8 +130,9 @@ def emulate(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
     reference on one): for each row of the tiles, head and split ``s``, over the split's share of the user's full
     cached key blocks, HSTU's ``sum SiLU(q.k_j scale + bias_j) v_j / N`` into ``ws[s]``, or softmax's
     ``sum 2^(x_j - m) v_j / l`` with ``x_j = q.k_j scale log2(e)``, its max ``m`` (``-1e30`` without keys) and sum
-    ``l`` into ``ws[s]`` and ``ml[s]``. ``halved``: the table's entries are half the bias (the fast-SiLU form the
-    kernel reads)."""
+    ``l`` into ``ws[s]`` and ``ml[s]`` (the kernel's ``m`` may lag the exact max by up to its ``RESCALE_AT``, its
+    ``l`` then smaller by ``2^lag``: the same merged result). ``halved``: the table's entries are half the bias
+    (the fast-SiLU form the kernel reads)."""
     total_q, num_heads, head_dim = q.shape
     bn = key_block or block_n(head_dim)
     cu, ncand = cu_seqlens_q.tolist(), num_candidates.tolist()

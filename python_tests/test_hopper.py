@@ -153,6 +153,27 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
         else:
             assert got[f"hopper_mufu_per_score_{at}{d}"] == 1.0
     assert 1.0 < got["hopper_bias_instr_ratio_cand"] < 1.15 and 1.0 < got["hopper_bias_instr_ratio_hist"] < 1.15
+    for d in (64, 128, 256):  # softmax's rescale is a branch its usual path skips; HSTU's loop has none
+        assert got[f"hopper_loop_usual_per_score_softmax_d{d}"] < got[f"hopper_loop_instr_per_score_softmax_d{d}"]
+        assert got[f"hopper_loop_usual_per_score_d{d}"] == got[f"hopper_loop_instr_per_score_d{d}"]
+
+
+def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
+    """``sass._skippable``: instructions a predicated forward branch jumps over inside the loop body; not an
+    unconditional one, nor one leaving the loop (a barrier wait's retry placed after it)."""
+    from relaygr_engine.bench.sass import _loops, _skippable
+
+    code = [(0x00, "MOV R0, R1 ;", ".L_x_0", False),
+            (0x10, "BRA `(.L_x_9) ;", "", True),         # leaves the loop: skips nothing in it
+            (0x20, "BRA `(.L_x_1) ;", "", True),         # skips the next two
+            (0x30, "FMUL R2, R2, R3 ;", "", False),
+            (0x40, "FMUL R4, R4, R3 ;", "", False),
+            (0x50, "BRA `(.L_x_2) ;", ".L_x_1", False),  # unconditional: not counted
+            (0x60, "FADD R5, R5, R6 ;", "", False),
+            (0x70, "BRA `(.L_x_0) ;", ".L_x_2", True),   # the loop's back edge
+            (0x80, "EXIT ;", ".L_x_9", False)]
+    assert _loops(code) == [(0x00, 0x70)]
+    assert _skippable(code, 0x00, 0x70) == 2
 
 
 def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
@@ -191,7 +212,8 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
 def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
     """On sm_90: the kernel alone against ``emulate`` on the same split partials (3 splits and the portable
     kernel's slot), for HSTU's candidate and history tiles (random bias rows) and softmax's candidate tiles: within
-    bf16 tolerance (softmax's running max and sum within fp32's), and nothing else of the partials touched."""
+    bf16 tolerance (softmax's running sum at the twin's max within fp32's), and nothing else of the partials
+    touched."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (300, 3, 1)]
@@ -214,7 +236,11 @@ def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
         HL.emulate(args["q"], twin, twin_ml, *common, hstu=hstu, **kw, halved=True)
         what = f"hstu={hstu} candidate tiles={cand}"
         torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2, msg=what)
-        torch.testing.assert_close(ml, twin_ml, atol=1e-3, rtol=1e-4, msg=what)
+        # Softmax's running max may lag the twin's (exact) one by up to 8: the kernel rescales only past that. Its
+        # partial (over its own sum) does not depend on it; its sum does, by 2^lag.
+        lag = twin_ml[..., 0] - ml[..., 0]
+        assert (lag >= -1e-3).all() and (lag <= 8 + 1e-3).all(), what
+        torch.testing.assert_close(ml[..., 1] * torch.exp2(-lag), twin_ml[..., 1], atol=1e-3, rtol=1e-3, msg=what)
 
 
 @gpu

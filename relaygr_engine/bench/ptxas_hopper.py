@@ -56,7 +56,7 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
           f"dtype=bf16 page_size=64 triton={triton.__version__} (static report, nothing launched)")
     print(f"{'D':>4} {'tile':>7} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
           f"{'smem':>7} {'p/sm':>4} {'instr':>6} {'mma':>4} {'async':>5} {'loop':>5} {'mma':>4} {'mufu':>4} "
-          f"{'lcl':>3} {'instr/score':>11}")
+          f"{'lcl':>3} {'instr/score':>11} {'usual':>5}")
     fields: dict = {"hopper_spilling": 0, "hopper_loop_local": 0}
     for d, kind in itertools.product(head_dims, ("cand", "hist", "softmax")):
         bn, stages, maxnreg = H.CONFIGS[d]
@@ -67,14 +67,16 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
         smem = kernel.metadata.shared
         per_sm = min(65536 // (regs * 256), smem_limit // max(smem, 1))
         per_score = loop.instructions * 128 / (64 * bn)  # a thread's loop instructions over its scores
+        usual = (loop.instructions - loop.skippable) * 128 / (64 * bn)  # (without what a branch may skip)
         print(f"{d:>4} {kind:>7} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} "
               f"{spill_ld:>8} {smem:>7} {per_sm:>4} {whole.instructions:>6} {whole.mma:>4} {whole.async_copies:>5} "
-              f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f}")
+              f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f} {usual:>5.2f}")
         fields["hopper_spilling"] += spill_st > 0
         fields["hopper_loop_local"] += loop.local > 0
         at = {"cand": f"d{d}", "hist": f"hist_d{d}", "softmax": f"softmax_d{d}"}[kind]
         fields[f"hopper_programs_per_sm_{at}"] = per_sm
         fields[f"hopper_loop_instr_per_score_{at}"] = round(per_score, 2)
+        fields[f"hopper_loop_usual_per_score_{at}"] = round(usual, 2)
         fields[f"hopper_loop_mma_{at}"] = loop.mma
         fields[f"hopper_mufu_per_score_{at}"] = round(loop.special * 128 / (64 * bn), 3)
         fields[f"hopper_tma_copies_{at}"] = whole.async_copies

@@ -10,6 +10,7 @@ attention kernel spends its time). ``relaygr bench ptxas`` prints them per confi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -41,9 +42,9 @@ def nvdisasm_path() -> str:
     return path
 
 
-def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
-    """``(address, text, labels)`` of each SASS instruction of ``cubin``: its text without the predicate, and the
-    labels that name its address (comma-separated, or ``""``)."""
+def disassemble(cubin: bytes) -> list[tuple[int, str, str, bool]]:
+    """``(address, text, labels, predicated)`` of each SASS instruction of ``cubin``: its text without the
+    predicate, the labels that name its address (comma-separated, or ``""``), and whether it has a predicate."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -60,7 +61,7 @@ def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
         m = _INSTR.match(line)
         if m:
             text = _PREDICATE.sub("", m.group(2))
-            out.append((int(m.group(1), 16), text, ",".join(pending)))
+            out.append((int(m.group(1), 16), text, ",".join(pending), text != m.group(2)))
             pending = []
     return out
 
@@ -76,6 +77,7 @@ class Mix:
     shuffles: int
     special: int = 0    # special-function unit instructions (MUFU)
     local: int = 0      # local-memory loads and stores (LDL, STL): spilled registers moving
+    skippable: int = 0  # a loop's: instructions a conditional forward branch inside it jumps over
 
     @classmethod
     def of(cls, ops: collections.Counter) -> "Mix":
@@ -88,30 +90,44 @@ def _opcode(text: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def _loops(code: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+def _labels(code: list[tuple[int, str, str, bool]]) -> dict:
+    return {name: addr for addr, _, labels, _ in code for name in filter(None, labels.split(","))}
+
+
+def _loops(code: list[tuple[int, str, str, bool]]) -> list[tuple[int, int]]:
     """``(first, last)`` addresses of each innermost loop body: a backward branch's span that holds no other. (A
     span that holds one is not a source loop: e.g. the jump back from an out-of-line wait on a TMA barrier, placed
     at the kernel's end, spans the whole kernel.)"""
-    at = {}
-    for addr, _, labels in code:
-        for name in filter(None, labels.split(",")):
-            at[name] = addr
+    at = _labels(code)
     spans = []
-    for addr, text, _ in code:
+    for addr, text, _, _ in code:
         m = _BRANCH.search(text)
         if m and at.get(m.group(1), addr) < addr:
             spans.append((at[m.group(1)], addr))
     return [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
 
 
+def _skippable(code: list[tuple[int, str, str, bool]], first: int, last: int) -> int:
+    """Instructions of the loop body ``[first, last]`` that a conditional forward branch to a label inside it jumps
+    over (e.g. softmax's rescale of the accumulator, done only when a row's running max grows enough): the body's
+    other instructions are its usual path."""
+    at, skipped = _labels(code), set()
+    for addr, text, _, predicated in code:
+        m = _BRANCH.search(text) if predicated and first <= addr <= last else None
+        if m and addr < at.get(m.group(1), -1) <= last:
+            skipped.update(a for a, *_ in code if addr < a < at[m.group(1)])
+    return len(skipped)
+
+
 def instruction_mix(cubin: bytes) -> tuple[Mix, Mix]:
     """The mix of the whole kernel and of its key loop: the innermost loop body (:func:`_loops`) holding the most
-    MMAs, ties to the first (an all-zero :class:`Mix` when no loop holds an MMA)."""
+    MMAs, ties to the first (an all-zero :class:`Mix` when no loop holds an MMA), with its ``skippable``
+    instructions (:func:`_skippable`)."""
     code = disassemble(cubin)
-    whole = Mix.of(collections.Counter(_opcode(t) for _, t, _ in code))
+    whole = Mix.of(collections.Counter(_opcode(t) for _, t, _, _ in code))
     best, best_mma = Mix(0, 0, 0, 0, 0), 0
     for first, last in _loops(code):
-        mix = Mix.of(collections.Counter(_opcode(t) for a, t, _ in code if first <= a <= last))
+        mix = Mix.of(collections.Counter(_opcode(t) for a, t, _, _ in code if first <= a <= last))
         if mix.mma > best_mma:
-            best, best_mma = mix, mix.mma
+            best, best_mma = dataclasses.replace(mix, skippable=_skippable(code, first, last)), mix.mma
     return whole, best
