@@ -15,7 +15,12 @@ import torch
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "requested", "takes", "why_not", "key_block", "block_n", "clear_slot", "launch", "emulate"]
+__all__ = ["ENV", "requested", "takes", "why_not", "key_block", "block_n", "programs_per_split", "pick_splits",
+           "clear_slot", "launch", "emulate"]
+
+# A program's fixed work, in key blocks' worth (q's load, the pipeline's fill, the partial's store): what one more
+# split costs each of its programs in pick_splits' model.
+OVERHEAD_BLOCKS = 2
 
 ENV = "RELAYGR_HOPPER_KERNEL"
 
@@ -78,6 +83,32 @@ def key_block(hopper_kernel: Optional[bool], **call) -> int:
     if why is not None and hopper_kernel:
         raise ValueError(f"hopper_kernel=True cannot run here: {why}")
     return block_n(call["head_dim"]) if why is None else 0
+
+
+def programs_per_split(plan, num_heads: int) -> int:
+    """Programs of one split of the kernel's launches for ``plan``: a program per 64 rows of each tile it may take
+    (candidate tiles, and history tiles of a height it takes), per head."""
+    tiles = ((plan.cand_tiles, plan.block_m), (plan.hist_tiles, plan.hist_block_m))
+    return num_heads * sum(t.shape[1] * (rows // 64) for t, rows in tiles if takes(rows))
+
+
+def pick_splits(device: torch.device, head_dim: int, programs_per_split: int, max_keys: int) -> int:
+    """How many splits the kernel's launches cut each tile's keys into: the ``S`` in ``[1, max_keys //
+    MIN_SPLIT_KEYS]`` (at most ``MAX_SPLITS``) with the least ``waves(S) x (max_keys / S / BLOCK_N +
+    OVERHEAD_BLOCKS)``, ``waves(S) = ceil(programs_per_split x S / slots)``, ``slots`` = SMs x the programs an SM
+    holds (registers: ``MAXNREG`` a thread, 8 warps a program), which share its tensor cores; ties to fewer splits.
+    At NVIDIA's ranking shape (24 programs a split, 132 SMs x 2, 4096 keys of 32-key blocks) 11 splits make one
+    wave, where the portable kernel's rule (16) makes 1.45, i.e. two. 1 on a device other than CUDA."""
+    from . import _hopper as H
+    from ._split import MAX_SPLITS, MIN_SPLIT_KEYS
+
+    if device.type != "cuda":
+        return 1
+    bn, _, maxnreg = H.CONFIGS[head_dim]
+    slots = C.num_cores(device) * (65536 // (maxnreg * 256))
+    most = max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return min(range(1, most + 1), key=lambda s: (-(-programs_per_split * s // slots)) * (max_keys / s / bn
+                                                                                           + OVERHEAD_BLOCKS))
 
 
 def clear_slot(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> None:

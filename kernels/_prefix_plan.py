@@ -11,10 +11,12 @@ from .. import quant
 from .._host import ship
 from ..config import KVDtype, parse_choice
 from . import _common as C
+from . import _hopper_launch as HL
 from ._prefix_config import KernelConfig, history_tile_rows, pick_config
 from ._prefix_kernel import prefix_attention_kernel
+from ._split import split_layout
 
-__all__ = ["PrefixAttentionPlan", "plan_prefix_attention"]
+__all__ = ["PrefixAttentionPlan", "plan_prefix_attention", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +159,36 @@ def check_plan(plan, *, batch: int, total_q: int, page_size: int, num_pages: int
                          f"{total_q} rows and {num_pages} pages of {page_size} tokens on {device}")
     if block_m is not None and block_m != plan.block_m:
         raise ValueError(f"block_m={block_m} differs from the plan's block_m={plan.block_m}")
+
+
+def schedule(plan: PrefixAttentionPlan, device: torch.device, num_heads: int, *, block_n: Optional[int] = None,
+             splits: Optional[int] = None, value_splits: Optional[int] = None,
+             concurrent_tiles: Optional[bool] = None, hopper_dim: int = 0) -> tuple[int, int, bool]:
+    """How a call runs ``plan``'s tiles: ``(num_splits, split_len, concurrent)``, the prefix splits of each
+    (tile, head) and their keys (:func:`~relaygr_engine.kernels._split.split_layout`; a caller's value splits
+    count as programs, the autotuner's are not known here), and whether the launches run on two streams
+    (:func:`_concurrent`). ``hopper_dim``: the head dim where the sm_90 kernel takes the full blocks (0: it does
+    not): its own split count (:func:`~relaygr_engine.kernels._hopper_launch.pick_splits`), and the portable
+    kernel's share on the side stream unless ``concurrent_tiles=False``."""
+    target = HL.pick_splits(device, hopper_dim, HL.programs_per_split(plan, num_heads), plan.max_context_len) \
+        if hopper_dim and splits is None else None
+    num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
+                                         plan.max_context_len, block_n, splits, target=target,
+                                         interpreted=C.is_interpreted(prefix_attention_kernel))
+    if hopper_dim:
+        return num_splits, split_len, device.type == "cuda" and concurrent_tiles is not False
+    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,
+                             plan.cand_tiles.shape[1] * num_heads)
+    return num_splits, split_len, concurrent
+
+
+def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, hist_work: int, cand_work: int) -> bool:
+    """Whether a call's two launches run on two streams: both have work (``hist_work`` programs of history tiles,
+    ``cand_work`` (tile, head) pairs of candidate tiles), and ``concurrent_tiles``; None: on CUDA where the history
+    launch alone leaves SMs idle (fewer programs than SMs: a ranking's few new rows), the only case where the
+    candidate launch has SMs to run on beside it (else the side stream is host work for nothing)."""
+    if not (hist_work and cand_work):
+        return False
+    if concurrent_tiles is not None:
+        return concurrent_tiles
+    return device.type == "cuda" and hist_work < C.num_cores(device)

@@ -52,14 +52,18 @@ def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Opti
 
 
 def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Optional[int] = None,
-                 splits: Optional[int] = None, *, interpreted: bool = False) -> tuple[int, int]:
+                 splits: Optional[int] = None, *, target: Optional[int] = None,
+                 interpreted: bool = False) -> tuple[int, int]:
     """``(num_splits, split_len)`` of a launch of ``num_work`` (tile, head) pairs: :func:`pick_splits`'s count, and
     the keys per split, ``max_keys`` (the longest user's prefix + new history) over that count rounded up to a
     multiple of every key block (:data:`~relaygr_engine.kernels._prefix_config.SPLIT_ALIGN`, or a fixed
     ``block_n`` above it), so that only a user's last block is masked. A chosen count then drops the splits the
     rounding left without keys (programs that would stream none and only add zeros to the merge); a count given
-    as ``splits`` is kept as given. Without a split, ``split_len`` covers every key."""
-    num_splits = pick_splits(device, num_work, max_keys, splits, interpreted=interpreted)
+    as ``splits`` is kept as given; ``target`` (a count chosen by another rule, e.g. the sm_90 kernel's) replaces
+    :func:`pick_splits`' where ``splits`` is None, and is trimmed the same way. Without a split, ``split_len``
+    covers every key."""
+    num_splits = target if splits is None and target else pick_splits(device, num_work, max_keys, splits,
+                                                                       interpreted=interpreted)
     keys, align = max(max_keys, 1), max(SPLIT_ALIGN, block_n or 0)
     split_len = C.cdiv(C.cdiv(keys, num_splits), align) * align
     if splits is None:

@@ -47,8 +47,8 @@ from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, Kern
 from ._bias_table import bias_table, hist_rows_fit
 from ._prefix_kernel import prefix_attention_kernel
 from ._prefix_plan import (PrefixAttentionPlan, _check_block, _plan, check_plan, check_value_splits,
-                           plan_prefix_attention)
-from ._split import merge_splits, split_dtype as pick_split_dtype, split_layout
+                           plan_prefix_attention, schedule)
+from ._split import merge_splits, split_dtype as pick_split_dtype
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
            "pick_config", "reset_autotuning", "save_autotune", "load_autotune"]
@@ -280,16 +280,17 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
+    hopper = HL.key_block(hopper_kernel, device=device, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
+                          page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
+                          value_splits=value_splits, fixed_block_n=block_n) if use_hopper else 0  # (its key block)
     num_splits, split_len, concurrent = schedule(plan, device, num_heads, block_n=cfg.block_n, splits=splits,
-                                                 value_splits=value_splits, concurrent_tiles=concurrent_tiles)
+                                                 value_splits=value_splits, concurrent_tiles=concurrent_tiles,
+                                                 hopper_dim=head_dim if hopper else 0)
     assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
     if num_splits > 1 and num_splits * total_q * num_heads >= 2 ** 31:  # (the kernel's partial rows are int32)
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
                          f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
-    hopper = HL.key_block(hopper_kernel, device=device, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
-                          page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
-                          value_splits=value_splits, fixed_block_n=block_n) if use_hopper else 0  # (its key block)
     ws = ml = q  # stand-ins without SPLIT (never written)
     if num_splits > 1 or hopper:  # (with the Hopper kernel, slot S holds the portable kernel's rest of the keys)
         slots = num_splits + (hopper > 0)
@@ -356,10 +357,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     # table or have none), the portable kernel the rest, one program per tile, into slot S, on the side stream.
     skips = [hopper if HL.takes(rows) and (cand or hist_table or not (has_pos or has_ts)) else 0
              for cand, _, rows in launches]
-    if hopper:
-        concurrent = device.type == "cuda" and concurrent_tiles is not False
-        if not all(skips):  # rows the portable kernel splits as ever: slot S must add nothing to them
-            HL.clear_slot(ws[num_splits], None if hstu else ml[num_splits])
+    if hopper and not all(skips):  # rows the portable kernel splits as ever: slot S must add nothing to them
+        HL.clear_slot(ws[num_splits], None if hstu else ml[num_splits])
     with C.device_guard(device), C.tile_streams(device, concurrent) as on:
         for (cand, tiles, rows), skip in zip(launches, skips):
             work, (splits_of, keys_of) = tiles.shape[1] * num_heads, (
@@ -378,30 +377,3 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     if num_splits > 1 or hopper:
         merge_splits(ws, None if hstu else ml, out)
     return out
-
-
-def schedule(plan: PrefixAttentionPlan, device: torch.device, num_heads: int, *, block_n: Optional[int] = None,
-             splits: Optional[int] = None, value_splits: Optional[int] = None,
-             concurrent_tiles: Optional[bool] = None) -> tuple[int, int, bool]:
-    """How a call runs ``plan``'s tiles: ``(num_splits, split_len, concurrent)``, the prefix splits of each
-    (tile, head) and their keys (:func:`~relaygr_engine.kernels._split.split_layout`; a caller's value splits
-    count as programs, the autotuner's are not known here), and whether the two launches run on two streams
-    (:func:`_concurrent`)."""
-    num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
-                                         plan.max_context_len, block_n, splits,
-                                         interpreted=C.is_interpreted(_prefix_attention_kernel))
-    concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,
-                             plan.cand_tiles.shape[1] * num_heads)
-    return num_splits, split_len, concurrent
-
-
-def _concurrent(concurrent_tiles: Optional[bool], device: torch.device, hist_work: int, cand_work: int) -> bool:
-    """Whether a call's two launches run on two streams: both have work (``hist_work`` programs of history tiles,
-    ``cand_work`` (tile, head) pairs of candidate tiles), and ``concurrent_tiles``; None: on CUDA where the history
-    launch alone leaves SMs idle (fewer programs than SMs: a ranking's few new rows), the only case where the
-    candidate launch has SMs to run on beside it (else the side stream is host work for nothing)."""
-    if not (hist_work and cand_work):
-        return False
-    if concurrent_tiles is not None:
-        return concurrent_tiles
-    return device.type == "cuda" and hist_work < C.num_cores(device)

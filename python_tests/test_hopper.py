@@ -71,6 +71,32 @@ def test_rows_the_hopper_kernel_does_not_take_see_a_neutral_extra_slot(mode, mon
         check_attention(args, kw, persistent=False, splits=2, hopper_kernel=True)
 
 
+def test_splits_fill_whole_waves_of_the_programs_an_sm_holds(monkeypatch):
+    """The Hopper launches' split count: at NVIDIA's ranking shape (2 candidate tiles and 1 history tile of 128
+    rows, 4 heads, head dim 256: 24 programs a split; 132 SMs holding 2 each) 11 splits, one full wave (the
+    portable rule's 16 make 384 programs: two waves); no split where one already fills the SMs and keys are few;
+    at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as its own choice."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from relaygr_engine.kernels import _common, _split
+
+    monkeypatch.setattr(_common, "_num_cores", lambda kind, index: 132)
+    cuda = torch.device("cuda", 0)
+    assert HL.pick_splits(cuda, 256, 24, 3968 + 128) == 11
+    assert _split.pick_splits(cuda, 12, 3968 + 128) == 16 and 24 * 16 > 132 * 2  # (the portable rule's count)
+    assert HL.pick_splits(cuda, 256, 264, 4096) == 1                             # one split fills every slot
+    assert HL.pick_splits(cuda, 64, 24, 600) == 2                                # 600 // MIN_SPLIT_KEYS
+    assert HL.pick_splits(cuda, 128, 24, 100) == 1 and HL.pick_splits(torch.device("cpu"), 256, 24, 4096) == 1
+    assert _split.split_layout(cuda, 12, 4096, target=11) == (11, 384)
+    assert _split.split_layout(cuda, 12, 4000, target=15) == (13, 320)           # 15 x 320 would leave 2 empty
+    args, _ = make_problem([(300, 20, 200), (64, 1, 3)], 64, 4, 64)
+    meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
+    plan = pa.plan_prefix_attention(**{n: args[n] for n in meta}, kv_cache=args["kv_cache"], block_m=64)
+    # 64-row tiles: candidate 4 + 1, history 1 + 1, one program each per head (takes 64 and 128 only)
+    assert HL.programs_per_split(plan, 4) == 4 * (plan.cand_tiles.shape[1] + plan.hist_tiles.shape[1]) == 28
+    monkeypatch.setattr(HL, "takes", lambda block_m: False)
+    assert HL.programs_per_split(plan, 4) == 0
+
+
 def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
     monkeypatch.delenv(HL.ENV, raising=False)
     assert not HL.requested(None) and HL.requested(True) and not HL.requested(False)

@@ -201,7 +201,7 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
     """With ``concurrent_tiles`` the history tiles launch inside the side stream's context, the candidate tiles on
     the call's stream, and the streams join before the split merge reads the partial sums (a stand-in for CUDA's
     streams records the order on the CPU); the result is the one-stream result."""
-    from relaygr_engine.kernels import _common as C, prefix_attention as pa
+    from relaygr_engine.kernels import _common as C, _prefix_plan, prefix_attention as pa
 
     args, bias = make_problem([(70, 9, 6), (40, 3, 5)], 16, 2, 32, seed=4)
     kw = attention_kwargs("hstu", bias, 32)
@@ -225,7 +225,8 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
     real_merge = pa.merge_splits
     monkeypatch.setattr(C, "tile_streams", streams)
     monkeypatch.setattr(pa, "merge_splits", merge)
-    monkeypatch.setattr(pa, "_concurrent", lambda flag, device, hist, cand: bool(hist and cand) and flag is not False)
+    monkeypatch.setattr(_prefix_plan, "_concurrent",
+                        lambda flag, device, hist, cand: bool(hist and cand) and flag is not False)
     two = prefix_attention(**args, **kw, block_m=16, block_n=16, splits=3)
     assert events == [("fork", True), "side", "main", "join", "merge"]
     torch.testing.assert_close(two, one, atol=0, rtol=0)
@@ -242,14 +243,14 @@ def test_concurrent_tiles_default_where_the_history_launch_leaves_sms_idle(monke
     """None: two streams on CUDA where both kinds of tile have work and the history launch has fewer programs than
     SMs (NVIDIA's ranking shape: 1 history tile x 4 heads x 16 splits = 64 of 132), one stream where it fills them
     (a long full inference) or off CUDA; a caller's choice is kept where both kinds have work."""
-    from relaygr_engine.kernels import _common as C, prefix_attention as pa
+    from relaygr_engine.kernels import _common as C, _prefix_plan, prefix_attention as pa
 
     monkeypatch.setattr(C, "_num_cores", lambda kind, index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert pa._concurrent(None, cuda, 64, 8) and not pa._concurrent(None, cuda, 512, 8)
-    assert not pa._concurrent(None, cuda, 132, 8) and not pa._concurrent(None, cpu, 1, 1)
-    assert not any(pa._concurrent(flag, cuda, h, c) for flag in (None, True) for h, c in ((0, 8), (64, 0)))
-    assert pa._concurrent(True, cuda, 512, 8) and not pa._concurrent(False, cuda, 64, 8)
+    assert _prefix_plan._concurrent(None, cuda, 64, 8) and not _prefix_plan._concurrent(None, cuda, 512, 8)
+    assert not _prefix_plan._concurrent(None, cuda, 132, 8) and not _prefix_plan._concurrent(None, cpu, 1, 1)
+    assert not any(_prefix_plan._concurrent(flag, cuda, h, c) for flag in (None, True) for h, c in ((0, 8), (64, 0)))
+    assert _prefix_plan._concurrent(True, cuda, 512, 8) and not _prefix_plan._concurrent(False, cuda, 64, 8)
 
 
 @needs_interpreter

@@ -199,7 +199,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
         concurrent_tiles=concurrent_tiles, split_dtype=split_dtype, hopper_kernel=hopper_kernel)
     used_m = plan.block_m
     used_splits, split_keys, concurrent = schedule(plan, device, shape.heads, splits=splits,
-                                                   value_splits=value_splits, concurrent_tiles=concurrent_tiles)
+                                                   value_splits=value_splits, concurrent_tiles=concurrent_tiles,
+                                                   hopper_dim=shape.head_dim if hopper_kernel else 0)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
     out = run(args, kw, plan)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
