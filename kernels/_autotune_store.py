@@ -27,18 +27,17 @@ import os
 import tempfile
 from typing import Callable, Optional, Sequence
 
+from .._warn import warn_once
+
 __all__ = ["ENV_FILE", "FORMAT", "fingerprint", "document", "write", "read", "apply", "install"]
 
 log = logging.getLogger(__name__)
 ENV_FILE = "RELAYGR_AUTOTUNE_FILE"
 FORMAT = 1
-_warned: set = set()
 
 
-def _warn_once(what: str, message: str, *args) -> None:
-    if what not in _warned:
-        _warned.add(what)
-        log.warning(message, *args)
+def _warn_once(what, message: str, *args) -> None:
+    warn_once(log, ("autotune-store", what), message, *args)
 
 
 def fingerprint(kernel, device=None) -> dict:

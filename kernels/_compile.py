@@ -20,12 +20,13 @@ from typing import Callable, Optional
 
 import triton
 
+from .._warn import warn_once
+
 __all__ = ["compile_workers", "compile_configs", "precompiling"]
 
 log = logging.getLogger(__name__)
 ENV_WORKERS = "RELAYGR_COMPILE_WORKERS"
 MAX_DEFAULT_WORKERS = 8
-_warned: set = set()
 
 
 def compile_workers(env: Optional[dict] = None) -> int:
@@ -43,13 +44,6 @@ def compile_workers(env: Optional[dict] = None) -> int:
     if workers < 0:
         raise ValueError(f"{ENV_WORKERS} must be an integer >= 0 (0 or 1: compile serially), got {raw!r}")
     return workers
-
-
-def _warn_once(what: str, err: BaseException) -> None:
-    if what not in _warned:
-        _warned.add(what)
-        log.warning("parallel compile of the autotune configs skipped (%s: %s: %s); the autotuner compiles them "
-                    "one by one", what, type(err).__name__, err)
 
 
 def compile_configs(fn, configs, named_args: dict, kwargs: dict, workers: Optional[int] = None) -> int:
@@ -75,7 +69,9 @@ def compile_configs(fn, configs, named_args: dict, kwargs: dict, workers: Option
                     config.pre_hook({**named_args, **call, **current})
                 fn.warmup(*args, **call, **current)
     except Exception as err:  # noqa: BLE001 - never worse than the serial path
-        _warn_once(getattr(fn, "__name__", "kernel"), err)
+        what = getattr(fn, "__name__", "kernel")
+        warn_once(log, ("compile", what), "parallel compile of the autotune configs skipped (%s: %s: %s); the "
+                  "autotuner compiles them one by one", what, type(err).__name__, err)
         return 0
     log.info("compiled %d autotune configs of %s in %.1f s on %d threads", len(configs),
              getattr(fn, "__name__", "kernel"), time.perf_counter() - t0, min(workers, len(configs)))

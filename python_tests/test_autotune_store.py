@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from relaygr_engine import _warn  # noqa: E402
 from relaygr_engine.kernels import _autotune_store as S  # noqa: E402
 from relaygr_engine.kernels import _prefix_config as K  # noqa: E402
 from relaygr_engine.kernels import prefix_attention as pa  # noqa: E402
@@ -31,7 +32,7 @@ def key_of(**over) -> tuple:
 def tuner(monkeypatch):
     """The real autotuner, emptied, with a stand-in fingerprint (no GPU) and fresh warn-once memory."""
     monkeypatch.setattr(K, "autotune_fingerprint", lambda device=None: dict(HERE))
-    monkeypatch.setattr(S, "_warned", set())
+    _warn.forget()
     t = K.autotuned_kernel()
     K.reset_autotuning()
     yield t
@@ -117,7 +118,7 @@ class StandInTuner:
 
 
 def test_the_environment_file_is_loaded_then_rewritten_after_each_tuning(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "_warned", set())
+    _warn.forget()
     path = str(tmp_path / "choices.json")
     monkeypatch.setenv(S.ENV_FILE, path)
     a, b = key_of(), key_of(HEAD_DIM=128)
@@ -140,7 +141,7 @@ def test_the_environment_file_is_loaded_then_rewritten_after_each_tuning(tmp_pat
 
 
 def test_an_unreadable_environment_file_is_logged_and_replaced(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(S, "_warned", set())
+    _warn.forget()
     path = tmp_path / "choices.json"
     path.write_text("{truncated")
     a = key_of()
@@ -153,7 +154,7 @@ def test_an_unreadable_environment_file_is_logged_and_replaced(tmp_path, monkeyp
 
 
 def test_an_unwritable_environment_file_leaves_the_launches_alone(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(S, "_warned", set())
+    _warn.forget()
     a = key_of()
     t = StandInTuner({a: kept(a)[0]})
     S.install(t, K.CUDA_CONFIGS, K.prune_configs, lambda: dict(HERE), K.AUTOTUNE_KEYS,
@@ -166,7 +167,7 @@ def test_an_unwritable_environment_file_leaves_the_launches_alone(tmp_path, monk
 def test_a_failing_fingerprint_never_fails_a_launch(tmp_path, monkeypatch, caplog):
     """Reading the GPU for the fingerprint can fail (a driver error): the file is neither loaded nor saved, the
     launches go on (logged)."""
-    monkeypatch.setattr(S, "_warned", set())
+    _warn.forget()
     path = str(tmp_path / "choices.json")
     a = key_of()
     S.write(path, S.document({a: kept(a)[0]}, HERE, K.AUTOTUNE_KEYS))

@@ -347,3 +347,21 @@ def test_float_time_buckets_take_the_run_length_bias_when_it_is_exact(monkeypatc
             raise AssertionError("per-element time buckets on a sorted history")
         monkeypatch.setattr(reference_attention, "time_buckets", no_buckets)
     torch.testing.assert_close(paged_prefix_attention(**args, **kw), want, atol=1e-5, rtol=1e-5)
+
+
+def test_warn_once_logs_a_key_once_until_forgotten(caplog):
+    """The project's one warn-once (relaygr_engine._warn): a key's first warning goes through the caller's logger,
+    later ones with that key do not, another key does; ``forget`` starts over."""
+    import logging
+
+    from relaygr_engine import _warn
+
+    _warn.forget()
+    log = logging.getLogger("relaygr_engine.test")
+    with caplog.at_level(logging.WARNING, logger="relaygr_engine.test"):
+        assert _warn.warn_once(log, ("test", 1), "first %s", "a")
+        assert not _warn.warn_once(log, ("test", 1), "again %s", "b")
+        assert _warn.warn_once(log, ("test", 2), "other")
+        _warn.forget()
+        assert _warn.warn_once(log, ("test", 1), "after forget")
+    assert [r.getMessage() for r in caplog.records] == ["first a", "other", "after forget"]

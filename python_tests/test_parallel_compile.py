@@ -9,6 +9,7 @@ import threading
 import pytest
 import triton
 
+from relaygr_engine import _warn
 from relaygr_engine.kernels import _compile
 
 
@@ -69,7 +70,7 @@ def test_nothing_to_gain_or_a_failure_leaves_it_to_the_autotuner(caplog):
     assert _compile.compile_configs(kernel, configs, {}, {"grid": 1}, workers=1) == 0
     assert _compile.compile_configs(kernel, configs[:1], {}, {"grid": 1}, workers=8) == 0
     assert kernel.calls == []
-    _compile._warned.clear()
+    _warn.forget()
     broken = _Kernel(fail=True)
     with caplog.at_level(logging.WARNING, logger="relaygr_engine.kernels._compile"):
         assert _compile.compile_configs(broken, configs, {}, {"grid": 1}, workers=2) == 0

@@ -29,11 +29,11 @@ Keys of the cached tokens are read from ``kv_cache[page, 0, slot]``, values from
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
+from ._warn import warn_once
 from .attention_checks import _check_args
 from .kernels._common import with_dense_rows
 from .config import AttentionBackend, AttentionMode, KVDtype, TimeBucket, parse_choice
@@ -85,13 +85,9 @@ def _resolve_backend(backend, device: torch.device) -> AttentionBackend:
             _triton_impl()
             return AttentionBackend.TRITON
         except ImportError as exc:
-            _warn_once(f"backend='auto' on {device.type}: Triton kernel unavailable ({exc}); using the torch reference")
+            warn_once(_log, ("ops", "auto-backend", device.type), "backend='auto' on %s: Triton kernel unavailable "
+                      "(%s); using the torch reference", device.type, exc)
     return AttentionBackend.TORCH
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    _log.warning(message)
 
 
 def paged_prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .._warn import warn_once
 from ..bench.common import percentile
 from . import _checks
 
@@ -39,7 +40,6 @@ _log = logging.getLogger("relaygr_engine")
 PROFILE_FORMAT = "relaygr-latency-profile"
 PROFILE_VERSION = 1
 TERMS = ("1", "L+C", "(L+C)^2", "C*L")
-_warned_default: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -282,10 +282,8 @@ class LatencyModel:
             if kind == "cpu":
                 raise FileNotFoundError(f"the shipped CPU latency profile is missing ({target}); reinstall the "
                                         "package or write one with `relaygr calibrate --device cpu`")
-            if kind not in _warned_default:
-                _warned_default.add(kind)
-                _log.warning("no shipped latency profile for device %r; using the CPU profile "
-                             "(run `relaygr calibrate --device %s` for a measured one)", device, device)
+            warn_once(_log, ("latency", "profile", kind), "no shipped latency profile for device %r; using the CPU "
+                      "profile (run `relaygr calibrate --device %s` for a measured one)", device, device)
             target = res / "latency_cpu.json"
         return cls.from_dict(json.loads(target.read_text(encoding="utf-8")))
 
