@@ -44,8 +44,9 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
 # Softmax rescales its accumulator and sum only when some row's running max grows by more than this (log2 domain):
-# until then the weights 2^(x - m) stay below 2^8, exact enough in bf16 and far from fp32's range, and the block
-# skips 2 x D / 2 multiplies a thread (a sixth of the loop at head dim 256). The stored (m, l) pair merges the same.
+# until then the weights 2^(x - m) stay below 2^8 (bf16 keeps their relative precision; fp32 sums stay far from
+# overflow), and a block skips the rescale's D / 2 multiplies a thread (a third of the loop's code at head dim 256).
+# The stored (m, l) pair merges the same.
 RESCALE_AT = gl.constexpr(8.0)
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
 
