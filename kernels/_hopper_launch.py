@@ -3,19 +3,24 @@ the portable kernel's, and a pure-torch twin of what it writes (its offline comp
 :mod:`relaygr_engine.bench.ptxas_hopper`).
 
 It is opt-in while it has not run on a GPU: ``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming
-why where it cannot run) or ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere).
+why where it cannot run) or ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere). Where
+its compile or launch raises, it is off for the rest of the process (logged once, :func:`why_not` says why), and
+a call that had not asked for it explicitly runs again on the portable kernel alone (:func:`falls_back`).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from typing import Optional
 
 import torch
 
+from .._warn import warn_once
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "requested", "takes", "why_not", "key_block", "block_n", "programs_per_split", "pick_splits",
+__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "takes", "why_not", "key_block", "block_n", "programs_per_split", "pick_splits",
            "clear_slot", "launch", "emulate"]
 
 # A program's fixed work, in key blocks' worth (q's load, the pipeline's fill, the partial's store): what one more
@@ -23,6 +28,27 @@ __all__ = ["ENV", "requested", "takes", "why_not", "key_block", "block_n", "prog
 OVERHEAD_BLOCKS = 2
 
 ENV = "RELAYGR_HOPPER_KERNEL"
+log = logging.getLogger(__name__)
+_failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
+
+
+class LaunchError(RuntimeError):
+    """The Hopper kernel's compile or launch raised (the cause chained)."""
+
+
+def falls_back(launcher):
+    """Decorate the launcher (``prefix_attention``): a call whose Hopper launch raises :class:`LaunchError` runs
+    again with ``hopper_kernel=False``, unless it asked for the kernel with ``hopper_kernel=True`` (it then gets
+    the error). Nothing the failed attempt wrote is read: the rerun allocates its own partials and output."""
+    @functools.wraps(launcher)
+    def call(*args, **kwargs):
+        try:
+            return launcher(*args, **kwargs)
+        except LaunchError:
+            if kwargs.get("hopper_kernel"):
+                raise
+            return launcher(*args, **dict(kwargs, hopper_kernel=False))
+    return call
 
 
 def requested(hopper_kernel: Optional[bool]) -> bool:
@@ -54,6 +80,8 @@ def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_d
     per tile (no persistent grid, value splits or fixed key block)."""
     from ._hopper import CONFIGS
 
+    if _failed is not None:
+        return f"it failed earlier in this process ({_failed})"
     if device.type != "cuda":
         return f"needs a CUDA device, got {device}"
     if _capability(device.index)[0] != 9:  # (read once per device)
@@ -145,13 +173,26 @@ def launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seql
     if programs == 0:
         return
     tb = ws if table is None else table
-    with C.device_guard(q.device):
-        H.hopper_kernel[(programs,)](
-            q, ws, ml, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0],
-            tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
-            0 if table is None else table.stride(0), scale, inv_norm,
-            HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
-            CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
+    try:
+        with C.device_guard(q.device):
+            H.hopper_kernel[(programs,)](
+                q, ws, ml, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0],
+                tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
+                0 if table is None else table.stride(0), scale, inv_norm,
+                HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu,
+                HAS_BIAS=table is not None, CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype),
+                num_warps=4, maxnreg=maxnreg)
+    except Exception as err:  # a compile or launch failure: off for this process
+        fail(err)
+
+
+def fail(err: BaseException) -> None:
+    """Turn the kernel off for this process after ``err`` (logged once) and raise :class:`LaunchError` from it."""
+    global _failed
+    _failed = f"{type(err).__name__}: {err}"[:500]
+    warn_once(log, ("hopper", "failed"), "the sm_90 prefix-attention kernel failed (%s); it is off for this "
+              "process and the portable kernel runs instead", _failed)
+    raise LaunchError(_failed) from err
 
 
 def emulate(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,

@@ -92,6 +92,7 @@ def _grid(programs: int):
     return lambda meta: (programs, meta["V_SPLITS"] * meta["M_SPLITS"])
 
 
+@HL.falls_back
 def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates, *,
                      mode, scale, hstu_norm=1.0, pos_bias=None, ts_bias=None, ts_cache=None, ts_q=None,
                      time_bucket="log2", persistent=False, block_m=None, block_n=None, allow_tf32=False,
@@ -196,7 +197,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         HSTU or softmax), the rest on this one as one more split partial, on a second stream where
         ``concurrent_tiles`` allows (history tiles whose HSTU bias the kernel would compute in place of a table
         stay on this one). Default (None): ``RELAYGR_HOPPER_KERNEL=1`` uses it where it can run; ``True`` raises
-        ``ValueError`` naming why where it cannot. Not yet run on a GPU.
+        ``ValueError`` naming why where it cannot. Where its compile or launch raises, it is off for the process
+        (logged once) and a call that did not pass ``True`` runs again on this kernel alone. Not yet run on a GPU.
 
     Returns
     -------

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 
 import pytest
 import torch
 from kernel_problems import attention_kwargs, check_attention, gpu, make_problem, needs_cuda, needs_interpreter
 
+from relaygr_engine import _warn
 from relaygr_engine.kernels import _hopper_launch as HL
 from relaygr_engine.kernels import prefix_attention as pa
 from relaygr_engine.kernels._prefix_config import KernelConfig
@@ -97,6 +99,41 @@ def test_splits_fill_whole_waves_of_the_programs_an_sm_holds(monkeypatch):
     assert HL.programs_per_split(plan, 4) == 0
 
 
+@needs_interpreter
+def test_a_failing_hopper_launch_turns_it_off_and_the_call_reruns_portable(monkeypatch, caplog):
+    """Asked for by the environment, a Hopper launch that raises (e.g. its compile) logs once, turns the kernel off
+    for the process, and the call's result is the portable kernel's; later calls do not try it (why_not says why);
+    asked for with ``hopper_kernel=True``, the call raises LaunchError, chained to the cause."""
+    args, bias = make_problem(USERS[:4], 16, 2, 32, seed=7)
+    kw = attention_kwargs("hstu", bias, 32)
+    plain = pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        try:
+            raise RuntimeError("no such instruction")
+        except RuntimeError as err:
+            HL.fail(err)
+
+    stand_in(monkeypatch, launch=broken)
+    monkeypatch.setattr(HL, "why_not", lambda **kw: HL._failed and f"it failed earlier ({HL._failed})")
+    monkeypatch.setattr(HL, "_failed", None)
+    monkeypatch.setenv(HL.ENV, "1")
+    _warn.forget()
+    with caplog.at_level(logging.WARNING, logger=HL.log.name):
+        out = pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2)
+        again = pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2)
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    torch.testing.assert_close(again, plain, atol=0, rtol=0)
+    assert len(calls) == 1 and "RuntimeError: no such instruction" in HL._failed
+    assert [r.getMessage().count("off for this process") for r in caplog.records] == [1]
+    monkeypatch.setattr(HL, "_failed", None)  # (on again, asked for explicitly)
+    with pytest.raises(HL.LaunchError, match="no such instruction") as info:
+        pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2, hopper_kernel=True)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
     monkeypatch.delenv(HL.ENV, raising=False)
     assert not HL.requested(None) and HL.requested(True) and not HL.requested(False)
@@ -127,6 +164,9 @@ def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     monkeypatch.setattr(HL, "_capability", lambda index: (9, 0))
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     assert HL.why_not(**ok) is None
+    monkeypatch.setattr(HL, "_failed", "RuntimeError: boom")
+    assert HL.why_not(**ok) == "it failed earlier in this process (RuntimeError: boom)"
+    monkeypatch.setattr(HL, "_failed", None)
     for change, words in ((dict(dtype=torch.float32), "bf16 or fp16"),
                           (dict(quantized=True), "model's dtype"), (dict(head_dim=96), "head dim"),
                           (dict(page_size=48), "page_size"), (dict(block_m=32), "64 or 128 rows"),
