@@ -3,8 +3,9 @@
 =====================================  ======================================================================
 ``prefix_attention.prefix_attention``  new history rows + candidates of a varlen batch over cached prefix pages
                                        (softmax or HSTU, relative position/time bias computed in the kernel)
-                                       (on sm_90, ``hopper_kernel=True``: HSTU candidate tiles' full cached
-                                       blocks on a warp-specialised Gluon kernel, ``_hopper``; opt-in)
+                                       (on sm_90, ``hopper_kernel=True``: tiles' full cached blocks on a
+                                       warp-specialised Gluon kernel, ``_hopper``, HSTU or softmax; opt-in;
+                                       split partials merged by ``_merge_kernel``)
 ``kv_write.kv_write``                  scatter new tokens' K/V (and timestamps) into their page slots
 ``kv_pack.kv_pack`` / ``kv_unpack``    pages of all layers <-> one contiguous buffer (spill / transfer)
 ``reference``                          pure-torch references of each kernel
@@ -27,6 +28,7 @@ _EXPORTS = {
     "kv_write_ref": ".reference",
     "kv_pack_ref": ".reference",
     "kv_unpack_ref": ".reference",
+    "merge_splits_ref": ".reference",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -72,17 +72,19 @@ def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Op
 
 
 def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Merge the kernel's partial states into ``out``, accumulating in fp32.
+    """Merge the kernel's partial states into ``out``, accumulating in fp32: HSTU's in one ``torch.sum``, softmax's
+    in one kernel (:mod:`~relaygr_engine.kernels._merge_kernel`; its torch statement:
+    :func:`~relaygr_engine.kernels.reference.merge_splits_ref`).
 
     Parameters
     ----------
-    ws : Tensor [S, total_q, H, D]
+    ws : Tensor [S, total_q, H, D], contiguous
         Each split's partial output (fp32, or 16-bit: :func:`split_dtype`): hstu's sum divided by ``N``, softmax's
         divided by its own running sum.
-    ml : float32 Tensor [S, total_q, H, 2], or None
+    ml : float32 Tensor [S, total_q, H, 2], contiguous, or None
         softmax: each split's running max (log2 domain) and running sum; None in hstu mode.
     out : Tensor [total_q, H, D]
-        Written (any float dtype and strides).
+        Written (any float dtype; rows and heads at any strides, each row's values contiguous).
 
     Returns
     -------
@@ -92,11 +94,18 @@ def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], out: torch.Tensor
         if ws.dtype == out.dtype:  # one reduction straight into the output (torch accumulates 16-bit sums in fp32)
             return torch.sum(ws, 0, out=out)
         return out.copy_(ws.sum(0, dtype=torch.float32))
-    m, l = ml[..., 0], ml[..., 1]
-    w = torch.exp2(m - m.amax(0)) * l                # [S, total_q, H]: each split's share of the sum
-    den = w.sum(0)
-    num = (w.unsqueeze(-1) * ws).sum(0)                  # (fp32: ws is widened)
-    return out.copy_(num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1))
+    from ._merge_kernel import BLOCK_R, MAX_BLOCK_D, merge_kernel
+
+    num_splits, total_q, num_heads, head_dim = ws.shape
+    assert ws.is_contiguous() and ml.is_contiguous() and out.stride(2) == 1, "merge layout"
+    num_rows = total_q * num_heads
+    block_d = min(max(16, C.next_pow2(head_dim)), MAX_BLOCK_D)
+    if num_rows:
+        with C.device_guard(out.device):
+            merge_kernel[(C.cdiv(num_rows, BLOCK_R), C.cdiv(head_dim, block_d))](
+                ws, ml, out, num_rows, num_heads, num_splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                BLOCK_D=block_d, BLOCK_R=BLOCK_R, num_warps=4)
+    return out
 
 
 def split_dtype(dtype: Optional[torch.dtype], model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

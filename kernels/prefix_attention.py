@@ -289,13 +289,13 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                                                  value_splits=value_splits, concurrent_tiles=concurrent_tiles,
                                                  hopper_dim=head_dim if hopper else 0)
     assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
-    if num_splits > 1 and num_splits * total_q * num_heads >= 2 ** 31:  # (the kernel's partial rows are int32)
+    slots = num_splits + (hopper > 0)  # (with the Hopper kernel, slot S holds the portable kernel's rest of the keys)
+    if slots > 1 and slots * total_q * num_heads >= 2 ** 31:  # (the kernels' partial rows are int32)
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
-                         f"{num_splits * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
+                         f"{slots * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
     ws = ml = q  # stand-ins without SPLIT (never written)
-    if num_splits > 1 or hopper:  # (with the Hopper kernel, slot S holds the portable kernel's rest of the keys)
-        slots = num_splits + (hopper > 0)
+    if slots > 1:
         ws = torch.empty((slots, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
         ml = ws if hstu else torch.empty((slots, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
@@ -342,7 +342,7 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 HSTU=hstu, HAS_POS=has_pos, HAS_TS=has_ts, TS_BITS=ts_bits,
                 TS_STEPS=ts_steps, TS_TABLE=ts_table, TS_ABS=ts_table and ts_fn.absolute,
                 DOT_PRECISION=_dot_precision(q.dtype, allow_tf32), PERSISTENT=persistent,
-                SPLIT=num_splits > 1 or hopper > 0,
+                SPLIT=slots > 1,
                 KV8=kd.quantized, FAST_SILU=fast_silu, TMA_READS=tma_reads,
                 V_SPLITS_PICK=value_splits or 0)
     if cfg.block_n is None:
@@ -376,6 +376,6 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
                 HL.launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates,
                           tiles, rows, cand, None if table is None else rows_of, hstu=hstu, page_size=page_size,
                           num_splits=num_splits, split_len=split_len, scale=scale, inv_norm=inv_norm)
-    if num_splits > 1 or hopper:
+    if slots > 1:
         merge_splits(ws, None if hstu else ml, out)
     return out

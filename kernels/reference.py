@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["prefix_attention_ref", "kv_write_ref", "kv_pack_ref", "kv_unpack_ref", "time_bucket_ref",
-           "visible_mask_ref"]
+__all__ = ["prefix_attention_ref", "kv_write_ref", "kv_pack_ref", "kv_unpack_ref", "merge_splits_ref",
+           "time_bucket_ref", "visible_mask_ref"]
 
 
 def time_bucket_ref(dt: torch.Tensor, num_buckets: int, time_bucket="log2") -> torch.Tensor:
@@ -119,3 +119,17 @@ def kv_unpack_ref(buffer: torch.Tensor, kv_caches: Sequence[torch.Tensor], page_
     _, _, page_size, h, d = kv_caches[0].shape
     for layer, cache in enumerate(kv_caches):
         cache[ids] = buffer[layer].to(cache.device).reshape(2, ids.numel(), page_size, h, d).transpose(0, 1)
+
+
+def merge_splits_ref(ws: torch.Tensor, ml: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """What the split merge writes into ``out [total_q, H, D]``, in fp32, from the partials ``ws [S, total_q, H,
+    D]`` (and, softmax, ``ml [S, total_q, H, 2]``: each split's running max in the log2 domain and sum): HSTU
+    ``sum_s ws[s]``; softmax ``sum_s w_s ws[s] / sum_s w_s`` with ``w_s = 2^(m_s - max_s m_s) l_s`` (0 where every
+    ``l_s`` is)."""
+    if ml is None:
+        return out.copy_(ws.float().sum(0))
+    m, l = ml[..., 0], ml[..., 1]
+    w = torch.exp2(m - m.amax(0)) * l
+    den = w.sum(0)
+    num = (w.unsqueeze(-1) * ws.float()).sum(0)
+    return out.copy_(num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_problems import attention_kwargs, check_attention, make_problem, needs_interpreter, prefix_attention
+from kernel_problems import (CUDA, INTERPRETER, attention_kwargs, check_attention, make_problem, needs_interpreter,
+                             prefix_attention)
 
 
 @triton.jit
@@ -313,3 +314,36 @@ def test_split_dtype_refuses_what_cannot_run(monkeypatch):
     monkeypatch.setattr(pa, "schedule", lambda plan, *a, **k: (2 ** 31 // (2 * rows) + 1, 64, False))
     with pytest.raises(ValueError, match=r"rows of split partials, at most 2\*\*31 - 1: ask for fewer splits"):
         prefix_attention(**args, **kw)
+
+
+@pytest.mark.skipif(not (INTERPRETER or CUDA), reason="needs Triton's interpreter (CPU) or a CUDA device")
+@pytest.mark.parametrize("softmax", [False, True])
+def test_the_merge_kernel_writes_what_its_reference_writes(softmax):
+    """The split merge (softmax: one kernel, in the interpreter or on CUDA where there is one; HSTU: a torch sum):
+    the weighted mean or the sum of random partials equal the torch reference's within fp32 rounding, fp32 and fp16
+    partials, 1 to 5 splits, a head dim split over two programs and one that is not a power of two, splits without
+    keys (max -1e30, sum 0) and rows no split saw (all weights 0: zeros), into an output at row and head strides of
+    a fused projection; nothing past the output's rows and heads written."""
+    from relaygr_engine.kernels._split import merge_splits
+    from relaygr_engine.kernels.reference import merge_splits_ref
+
+    g = torch.Generator().manual_seed(11)
+    for splits, dtype, (total_q, heads, dim) in ((1, torch.float32, (5, 2, 32)), (3, torch.float16, (37, 3, 72)),
+                                                 (5, torch.float32, (20, 1, 128))):
+        ws = torch.randn(splits, total_q, heads, dim, generator=g).to(dtype)
+        ml = None
+        if softmax:
+            ml = torch.stack((torch.randn(splits, total_q, heads, generator=g) * 20,
+                              torch.rand(splits, total_q, heads, generator=g) * 5), -1)
+            ml[0, :3] = torch.tensor([-1.0e30, 0.0])        # a split without keys
+            ml[:, 3] = torch.tensor([-1.0e30, 0.0])         # a row no split saw
+        device = "cpu" if INTERPRETER else "cuda"
+        ws, ml = ws.to(device), None if ml is None else ml.to(device)
+        fused = torch.full((total_q, heads + 1, dim + 8), float("nan"), device=device)
+        out = fused[:, :heads, :dim]
+        merge_splits(ws, ml, out)
+        ref = merge_splits_ref(ws, ml, torch.empty(total_q, heads, dim, device=device))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert torch.isnan(fused[:, heads:]).all() and torch.isnan(fused[:, :, dim:]).all()
+        if softmax:
+            assert (out[3] == 0).all()

@@ -18,7 +18,7 @@ COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
 from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
-from relaygr_engine.kernels import _bias_table, kv_pack, kv_write, prefix_attention as p
+from relaygr_engine.kernels import _bias_table, _merge_kernel, kv_pack, kv_write, prefix_attention as p
 
 def check(k, name):
     ttir = k.asm["ttir"]
@@ -58,11 +58,16 @@ for index in (0, 1, 2):  # computed; computed with the batch's index stored; fro
 for pack in (True, False):
     check(compile_kernel(kv_pack._page_copy_kernel, dict(cache_ptr="*bf16", buf_ptr="*bf16", page_ids_ptr="*i64"),
                          dict(PAGE_NUMEL=64 * 8 * 128, BLOCK=4096, PACK=pack)), "kv_pack")
+for d in (64, 256):  # softmax's split merge
+    k = check(compile_kernel(_merge_kernel.merge_kernel, dict(ws_ptr="*bf16", ml_ptr="*fp32", out_ptr="*bf16"),
+                             dict(HEAD_DIM=d, BLOCK_D=64, BLOCK_R=16)), "merge")
+    assert ptxas_report(k.asm["ptx"])[1] == 0
 # per-batch integers are not specialised (a new batch shape must not compile a new binary)
 for k, names in ((p._prefix_attention_kernel, {"num_work", "num_programs", "num_splits", "split_len", "total_q"}),
                  (_bias_table.bias_table_kernel, {"num_user_rows", "stride_row"}),
                  (kv_write._kv_write_kernel, {"num_tokens", "num_work", "num_programs"}),
-                 (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"})):
+                 (kv_pack._page_copy_kernel, {"num_sel", "num_work", "num_programs"}),
+                 (_merge_kernel.merge_kernel, {"num_rows", "num_splits"})):
     assert {q.name for q in k.params if q.do_not_specialize} == names, k
 print("compiled")
 """
