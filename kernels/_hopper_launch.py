@@ -20,8 +20,8 @@ from .._warn import warn_once
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "takes", "why_not", "key_block", "block_n", "programs_per_split", "pick_splits",
-           "clear_slot", "launch", "emulate"]
+__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "takes", "why_not", "key_block", "block_n",
+           "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate"]
 
 # A program's fixed traffic in pick_splits' model: q's load, its partial's store and the merge's read of it, three
 # [64, D] tiles, i.e. 3 x 64 / (2 x BLOCK_N) key blocks' worth of K and V bytes (3 at 32-key blocks, 1.5 at 64).
@@ -76,8 +76,9 @@ def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_d
             block_m: int, kv_cache: torch.Tensor, persistent: bool, value_splits, fixed_block_n) -> Optional[str]:
     """Why a call cannot run the Hopper kernel (None: it can): it takes tiles of 64 or 128 rows (``block_m``: the
     candidate tiles'; history tiles of another height stay on the portable kernel), HSTU or softmax, in bf16/fp16
-    on an sm_90 GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key blocks, one program
-    per tile (no persistent grid, value splits or fixed key block)."""
+    on an sm_90 GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key
+    blocks, one program per tile (no persistent grid, value splits or fixed key block), unless it failed earlier in
+    this process."""
     from ._hopper import CONFIGS
 
     if _failed is not None:

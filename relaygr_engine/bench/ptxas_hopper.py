@@ -1,8 +1,9 @@
 """``relaygr bench ptxas --hopper``: the sm_90 kernel for tiles' full cached blocks (``kernels/_hopper.py``, Gluon)
 compiled offline at each head dim's config, for HSTU's candidate and history tiles and softmax's, beside what
-``--defaults`` reports for the portable kernel: registers (a program is 8 warps: the compute warp group and the loader's), spill
-bytes, shared memory, programs per SM, the instruction mix of the whole kernel and of its key loop with the loop's
-instructions per score, and the instructions with both biases over those with none (each tile kind's worst)."""
+``--defaults`` reports for the portable kernel: registers (a program is 8 warps: the compute warp group and the
+loader's), spill bytes, shared memory, programs per SM, the instruction mix of the whole kernel and of its key loop
+with the loop's instructions per score (all, and its usual path: without what a branch in it may skip), and the
+instructions with both biases over those with none (each HSTU tile kind's worst)."""
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,8 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
     rows = 2 * page_size * 16
     desc = TensorDescriptor(torch.empty(rows, heads * head_dim, dtype=torch_dtype(dtype)), [rows, heads * head_dim],
                             [heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
-    types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "ml_ptr": f"*{dtype}" if hstu else "*fp32", "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
+    types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "ml_ptr": f"*{dtype}" if hstu else "*fp32",
+             "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
              "scale": "fp32", "inv_norm": "fp32",
              **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                     "tile_user_ptr", "tile_row_ptr")}}
@@ -70,7 +72,8 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
         usual = (loop.instructions - loop.skippable) * 128 / (64 * bn)  # (without what a branch may skip)
         print(f"{d:>4} {kind:>7} {bn:>4} {stages:>6} {maxnreg:>7} {regs:>5} {spill_st:>8} "
               f"{spill_ld:>8} {smem:>7} {per_sm:>4} {whole.instructions:>6} {whole.mma:>4} {whole.async_copies:>5} "
-              f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f} {usual:>5.2f}")
+              f"{loop.instructions:>5} {loop.mma:>4} {loop.special:>4} {loop.local:>3} {per_score:>11.2f} "
+              f"{usual:>5.2f}")
         fields["hopper_spilling"] += spill_st > 0
         fields["hopper_loop_local"] += loop.local > 0
         at = {"cand": f"d{d}", "hist": f"hist_d{d}", "softmax": f"softmax_d{d}"}[kind]
