@@ -89,17 +89,20 @@ def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, num_cand_ptr, kv_indptr_pt
 def _load_blocks(kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
                  PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The loader warp: key block ``i``'s K and V rows of ``head`` into ring buffer ``i % STAGES`` once it is
-    free, signalling ``ready`` when both copies land."""
+    free, signalling ``ready`` when all its copies land: one box of K and one of V per page the block spans (a
+    block of ``BLOCK_N`` keys lies in one page, or spans ``BLOCK_N / PAGE_SIZE`` whole pages)."""
+    PIECE: gl.constexpr = kv_desc.block_shape[0]  # rows a copy: min(BLOCK_N, PAGE_SIZE)
     for i in range(n_blocks):
         stage = i % STAGES
         mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)  # (a new barrier counts as freed once)
-        start = lo + i * BLOCK_N
-        page = gl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE)
-        row = page * (2 * PAGE_SIZE) + start % PAGE_SIZE          # K's row in the [pages * 2 * P, H * D] view
         bar = ready.index(stage)
         mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * kv_desc.dtype.primitive_bitwidth // 8)
-        _tma_load(kv_desc, [row, head * HEAD_DIM], bar, k_bufs.index(stage))
-        _tma_load(kv_desc, [row + PAGE_SIZE, head * HEAD_DIM], bar, v_bufs.index(stage))
+        for j in gl.static_range(BLOCK_N // PIECE):
+            start = lo + i * BLOCK_N + j * PIECE
+            page = gl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE)
+            row = page * (2 * PAGE_SIZE) + start % PAGE_SIZE      # K's row in the [pages * 2 * P, H * D] view
+            _tma_load(kv_desc, [row, head * HEAD_DIM], bar, k_bufs.index(stage).slice(j * PIECE, PIECE))
+            _tma_load(kv_desc, [row + PAGE_SIZE, head * HEAD_DIM], bar, v_bufs.index(stage).slice(j * PIECE, PIECE))
 
 
 @gluon.jit

@@ -20,7 +20,7 @@ from .._warn import warn_once
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "takes", "why_not", "key_block", "block_n",
+__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit", "takes", "why_not", "key_block", "block_n",
            "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate"]
 
 # A program's fixed traffic in pick_splits' model: q's load, its partial's store and the merge's read of it, three
@@ -67,6 +67,12 @@ def block_n(head_dim: int) -> int:
     return CONFIGS[head_dim][0]
 
 
+def pages_fit(page_size: int, key_block: int) -> bool:
+    """Whether the kernel's key blocks of ``key_block`` keys fit ``page_size``-token pages: a block within one page,
+    or over whole pages of at least 8 tokens (one copy each; the shared-memory swizzle repeats every 8 rows)."""
+    return page_size % key_block == 0 or (key_block % page_size == 0 and page_size >= 8)
+
+
 def takes(block_m: int) -> bool:
     """Whether the kernel takes tiles of ``block_m`` rows (64 or 128: one or two programs of one warp group)."""
     return block_m in (64, 128)
@@ -91,11 +97,12 @@ def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_d
         import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
     except ImportError as err:
         return f"needs Triton's Gluon with Hopper support ({err})"
+    bn = CONFIGS[head_dim][0] if head_dim in CONFIGS else 0
     problems = [(dtype not in (torch.bfloat16, torch.float16), f"bf16 or fp16 only, got {dtype}"),
                 (quantized, "pages in the model's dtype only"),
                 (head_dim not in CONFIGS, f"head dim 64, 128 or 256, got {head_dim}"),
-                (head_dim in CONFIGS and page_size % block_n(head_dim) != 0,
-                 f"page_size must be a multiple of the key block, got {page_size}"),
+                (bn > 0 and not pages_fit(page_size, bn),
+                 f"page_size must be a multiple or a divisor >= 8 of the key block ({bn}), got {page_size}"),
                 (not takes(block_m), f"candidate tiles of 64 or 128 rows, got {block_m}"),
                 (kv_cache.data_ptr() % 16 != 0, "kv_cache's data must start 16-byte aligned"),
                 (kv_cache.shape[0] * 2 * page_size >= 2 ** 31, "more K/V rows than int32 coordinates reach"),
@@ -168,8 +175,9 @@ def launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seql
     bn, stages, maxnreg = H.CONFIGS[head_dim]
     gdtype = H.gl.bfloat16 if q.dtype == torch.bfloat16 else H.gl.float16
     rows = kv_cache.shape[0] * 2 * page_size
+    piece = min(bn, page_size)  # rows a copy (a block spans whole pages where they are smaller)
     desc = TensorDescriptor(kv_cache.view(rows, num_heads * head_dim), [rows, num_heads * head_dim],
-                            [num_heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
+                            [num_heads * head_dim, 1], [piece, head_dim], H.kv_layout(head_dim, piece, gdtype))
     parts = block_m // H.SUB_M.value
     programs = tiles.shape[1] * parts * num_heads * num_splits
     if programs == 0:

@@ -169,7 +169,8 @@ def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     monkeypatch.setattr(HL, "_failed", None)
     for change, words in ((dict(dtype=torch.float32), "bf16 or fp16"),
                           (dict(quantized=True), "model's dtype"), (dict(head_dim=96), "head dim"),
-                          (dict(page_size=48), "page_size"), (dict(block_m=32), "64 or 128 rows"),
+                          (dict(page_size=48), "page_size"), (dict(page_size=4), "divisor >= 8"),
+                          (dict(block_m=32), "64 or 128 rows"),
                           (dict(persistent=True), "persistent"), (dict(value_splits=2), "value splits"),
                           (dict(fixed_block_n=32), "block_n")):
         assert words in HL.why_not(**dict(ok, **change)), change
@@ -195,7 +196,8 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     loop, for HSTU's candidate and history tiles and softmax's, its registers (8 warps a program) and shared memory
     fit three programs on an SM at head dim 64 and two at 128 and 256, its key loop issues wgmma and one special
     function per score (HSTU's tanh; softmax's exp2, and one a row for the max's correction), its K/V arrive
-    through TMA, and both biases add under 15% to the instructions of either HSTU tile kind."""
+    through TMA, and both biases add under 15% to the instructions of either HSTU tile kind; with 16-token pages
+    (a key block over several) the same, one copy of K and of V per page."""
     import json
     import os
     import subprocess
@@ -222,6 +224,15 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     for d in (64, 128, 256):  # softmax's rescale is a branch its usual path skips; HSTU's loop has none
         assert got[f"hopper_loop_usual_per_score_softmax_d{d}"] < got[f"hopper_loop_instr_per_score_softmax_d{d}"]
         assert got[f"hopper_loop_usual_per_score_d{d}"] == got[f"hopper_loop_instr_per_score_d{d}"]
+    # 16-token pages (the engine's default): a key block over several pages, a copy of K and of V per page
+    small = tmp_path / "hopper16.json"
+    proc = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--hopper", "--page-size",
+                           "16", "--json", str(small)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    paged = json.loads(small.read_text())["result"]
+    assert (paged["hopper_spilling"], paged["hopper_loop_local"]) == (0, 0)
+    for d, at in itertools.product((64, 128, 256), ("d", "hist_d", "softmax_d")):  # 64/16 or 32/16 pieces each
+        assert paged[f"hopper_tma_copies_{at}{d}"] == got[f"hopper_tma_copies_{at}{d}"] * (4 if d < 256 else 2)
 
 
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
@@ -274,19 +285,20 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
 # (the kernel against its twin first: the quickest to say which part is wrong)
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("page_size", [64, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
+def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim, page_size):
     """On sm_90: the kernel alone against ``emulate`` on the same split partials (3 splits and the portable
-    kernel's slot), for HSTU's candidate and history tiles (random bias rows) and softmax's candidate tiles: within
-    bf16 tolerance (softmax's running sum at the twin's max within fp32's), and nothing else of the partials
-    touched."""
+    kernel's slot), for HSTU's candidate and history tiles (random bias rows) and softmax's candidate tiles, key
+    blocks within a page (64 tokens) and over several (16): within bf16 tolerance (softmax's running sum at the
+    twin's max within fp32's), and nothing else of the partials touched."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (300, 3, 1)]
-    args, _ = make_problem(users, 64, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    args, _ = make_problem(users, page_size, 2, head_dim, device="cuda", dtype=torch.bfloat16)
     meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
     plan = pa.plan_prefix_attention(**{n: args[n] for n in meta}, kv_cache=args["kv_cache"])
-    kw = dict(page_size=64, num_splits=3, split_len=448, scale=head_dim ** -0.5, inv_norm=1 / 64)
+    kw = dict(page_size=page_size, num_splits=3, split_len=448, scale=head_dim ** -0.5, inv_norm=1 / 64)
     for hstu, cand, tiles, block_m in ((True, True, plan.cand_tiles, plan.block_m),
                                        (True, False, plan.hist_tiles, plan.hist_block_m),
                                        (False, True, plan.cand_tiles, plan.block_m)):
@@ -311,15 +323,17 @@ def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("mode", ["hstu", "softmax"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim, mode):
+@pytest.mark.parametrize("head_dim, mode, page_size", [(64, "hstu", 64), (128, "hstu", 64), (256, "hstu", 64),
+                                                        (64, "softmax", 64), (128, "softmax", 64),
+                                                        (256, "softmax", 64), (128, "hstu", 16)])
+def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim, mode, page_size):
     """On sm_90 (skipped elsewhere): the tiles' full blocks on the Hopper kernel, split or not, eagerly and
-    replayed in a CUDA graph, within bf16 tolerance of the reference, HSTU with both biases and softmax."""
+    replayed in a CUDA graph, within bf16 tolerance of the reference, HSTU with both biases and softmax, and 16-token
+    pages (the engine's default: a key block over several pages)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
     users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
-    args, bias = make_problem(users, 64, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    args, bias = make_problem(users, page_size, 4, head_dim, device="cuda", dtype=torch.bfloat16)
     kw = attention_kwargs(mode, bias, head_dim)
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     for splits in (None, 1, 5):

@@ -352,8 +352,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-dtype", choices=("model", "int8", "fp8_e4m3"), default="model",
                     help="pages in the model's dtype (model) or 8-bit with per-token scales")
     ap.add_argument("--hopper", action="store_true",
-                    help="instead, the sm_90 warp-specialised HSTU candidate kernel (kernels/_hopper.py, Gluon) at "
-                         "head dims 64, 128 and 256 (relaygr_engine/bench/ptxas_hopper.py)")
+                    help="instead, the sm_90 warp-specialised kernel for tiles' full cached blocks (kernels/_hopper.py, "
+                         "Gluon; HSTU and softmax) at head dims 64, 128 and 256, pages of --page-size tokens "
+                         "(relaygr_engine/bench/ptxas_hopper.py)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     opts = ap.parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
@@ -374,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if opts.hopper:
         from . import ptxas_hopper
 
-        return ptxas_hopper.main(opts.arch, opts.json)
+        return ptxas_hopper.main(opts.arch, opts.json, page_size=opts.page_size)
     import triton
 
     no_yes_both = {"no": (False,), "yes": (True,), "both": (False, True)}

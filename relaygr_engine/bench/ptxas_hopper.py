@@ -26,9 +26,9 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
 
     bn, stages, maxnreg = H.CONFIGS[head_dim]
     gdtype = {"bf16": H.gl.bfloat16, "fp16": H.gl.float16}[dtype]
-    rows = 2 * page_size * 16
+    rows, piece = 2 * page_size * 16, min(bn, page_size)
     desc = TensorDescriptor(torch.empty(rows, heads * head_dim, dtype=torch_dtype(dtype)), [rows, heads * head_dim],
-                            [heads * head_dim, 1], [bn, head_dim], H.kv_layout(head_dim, bn, gdtype))
+                            [heads * head_dim, 1], [piece, head_dim], H.kv_layout(head_dim, piece, gdtype))
     types = {"q_ptr": f"*{dtype}", "ws_ptr": f"*{dtype}", "ml_ptr": f"*{dtype}" if hstu else "*fp32",
              "kv_desc": mangle_type(desc), "tb_ptr": "*fp32",
              "scale": "fp32", "inv_norm": "fp32",
@@ -42,12 +42,12 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
                           maxnreg=maxnreg, source=GluonASTSource)
 
 
-def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -> dict:
+def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448, page_size: int = 64) -> dict:
     """Print one line per head dim and tile kind and return the RESULT fields: ``hopper_spilling=`` and
     ``hopper_loop_local=`` (configs that spill, that touch local memory in the key loop), and per head dim
     ``_d<D>``: programs per SM, key-loop instructions per score, key-loop MMAs, special-function instructions per
     score, TMA copies (HSTU candidate tiles with both biases; history tiles' with ``_hist_d<D>``, softmax's with
-    ``_softmax_d<D>``)."""
+    ``_softmax_d<D>``). ``page_size``: a key block within a page (64), or over several (16: a copy per page)."""
     import triton
 
     from ..kernels import _hopper as H
@@ -55,7 +55,7 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
     from .sass import instruction_mix
 
     print(f"hopper kernel (Gluon, warp-specialised; HSTU candidate and history tiles, softmax) target=sm_{arch} "
-          f"dtype=bf16 page_size=64 triton={triton.__version__} (static report, nothing launched)")
+          f"dtype=bf16 page_size={page_size} triton={triton.__version__} (static report, nothing launched)")
     print(f"{'D':>4} {'tile':>7} {'BN':>4} {'stages':>6} {'maxnreg':>7} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
           f"{'smem':>7} {'p/sm':>4} {'instr':>6} {'mma':>4} {'async':>5} {'loop':>5} {'mma':>4} {'mufu':>4} "
           f"{'lcl':>3} {'instr/score':>11} {'usual':>5}")
@@ -63,7 +63,7 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
     for d, kind in itertools.product(head_dims, ("cand", "hist", "softmax")):
         bn, stages, maxnreg = H.CONFIGS[d]
         hstu, cand = kind != "softmax", kind != "hist"
-        kernel = compile_hopper(d, hstu=hstu, cand=cand, arch=arch)
+        kernel = compile_hopper(d, hstu=hstu, cand=cand, arch=arch, page_size=page_size)
         regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
         whole, loop = instruction_mix(kernel.asm["cubin"])
         smem = kernel.metadata.shared
@@ -84,15 +84,16 @@ def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448) -
         fields[f"hopper_mufu_per_score_{at}"] = round(loop.special * 128 / (64 * bn), 3)
         fields[f"hopper_tma_copies_{at}"] = whole.async_copies
         if hstu:
-            plain = instruction_mix(compile_hopper(d, cand=cand, bias=False, arch=arch).asm["cubin"])[0]
+            plain = instruction_mix(compile_hopper(d, cand=cand, bias=False, arch=arch,
+                                                   page_size=page_size).asm["cubin"])[0]
             ratio = f"hopper_bias_instr_ratio_{kind}"
             fields[ratio] = round(max(fields.get(ratio, 0.0), whole.instructions / plain.instructions), 3)
     return fields
 
 
-def main(arch: int, json_path: Optional[str] = None) -> int:
+def main(arch: int, json_path: Optional[str] = None, page_size: int = 64) -> int:
     """Print the report and its RESULT line (``json_path``: the fields also as JSON)."""
     from .common import emit_result
 
-    emit_result(report(arch), json_path)
+    emit_result(report(arch, page_size=page_size), json_path)
     return 0
