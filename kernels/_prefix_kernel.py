@@ -31,10 +31,9 @@ the tile's rows are shared the same way (``BLOCK_M / M_SPLITS`` each, nothing co
 programs of one warp group each.
 
 On sm_90 a tile's full cached key blocks may go to the warp-specialised kernel of
-:mod:`relaygr_engine.kernels._hopper` instead (HSTU, whose sum adds up over any split of the keys): this kernel then
+:mod:`relaygr_engine.kernels._hopper` instead (HSTU or softmax; each split's partial merges as any): this kernel then
 runs with ``SKIP_FULL`` (one program per tile and head), from the user's last partial block of ``SKIP_FULL`` keys on:
-that block, the new history rows the tile sees and a candidate's own key, into the last split's partial, which the
-other kernel adds to.
+that block, the new history rows the tile sees and a candidate's own key, as one more split partial of its own.
 
 Modes: softmax (online softmax in fp32, ``exp2`` with the scale folded in) and hstu (``SiLU(alpha * q.k + rab) / N``,
 pointwise: no running max). The portable path uses only pointer arithmetic with masks (no block pointers or tensor
