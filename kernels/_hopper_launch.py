@@ -20,8 +20,8 @@ from .._warn import warn_once
 from . import _common as C
 from ._prefix_config import _capability
 
-__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit", "takes", "why_not", "key_block", "block_n",
-           "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate"]
+__all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit", "takes", "why_not", "key_block",
+           "block_n", "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate"]
 
 # A program's fixed traffic in pick_splits' model: q's load, its partial's store and the merge's read of it, three
 # [64, D] tiles, i.e. 3 x 64 / (2 x BLOCK_N) key blocks' worth of K and V bytes (3 at 32-key blocks, 1.5 at 64).
@@ -166,7 +166,18 @@ def launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seql
     head) its share of them into ``ws[s]`` (``ws [S + 1, total_q, H, D]``; slot ``S``, the rest of the keys, is the
     portable kernel's), softmax's running max and sum into ``ml[s]`` (``[S + 1, total_q, H, 2]`` fp32; unused for
     HSTU). ``table``: the rows of the bias table for this kind of tile (candidate tiles: one per user; history
-    tiles: one per tile row), halved; None without a bias (always for softmax)."""
+    tiles: one per tile row), halved; None without a bias (always for softmax). Anything it raises (the descriptor,
+    the compile, the launch) turns the kernel off for the process: :func:`fail`."""
+    try:
+        _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+                block_m, cand, table, hstu=hstu, page_size=page_size, num_splits=num_splits, split_len=split_len,
+                scale=scale, inv_norm=inv_norm)
+    except Exception as err:  # noqa: BLE001 (whatever failed, the portable kernel can still answer)
+        fail(err)
+
+
+def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles,
+            block_m, cand, table, *, hstu, page_size, num_splits, split_len, scale, inv_norm) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import _hopper as H
@@ -183,17 +194,13 @@ def launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seql
     if programs == 0:
         return
     tb = ws if table is None else table
-    try:
-        with C.device_guard(q.device):
-            H.hopper_kernel[(programs,)](
-                q, ws, ml, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0],
-                tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
-                0 if table is None else table.stride(0), scale, inv_norm,
-                HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu,
-                HAS_BIAS=table is not None, CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype),
-                num_warps=4, maxnreg=maxnreg)
-    except Exception as err:  # a compile or launch failure: off for this process
-        fail(err)
+    with C.device_guard(q.device):
+        H.hopper_kernel[(programs,)](
+            q, ws, ml, desc, kv_indices, kv_indptr, kv_last_page_len, cu_seqlens_q, num_candidates, tiles[0],
+            tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
+            0 if table is None else table.stride(0), scale, inv_norm,
+            HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
+            CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
 
 
 def fail(err: BaseException) -> None:

@@ -48,7 +48,11 @@ def test_the_two_kernels_shares_add_up_to_the_reference(mode, which, monkeypatch
         for block_m in (16, 32):
             check_attention(args, kw, persistent=False, block_m=block_m, block_n=16, splits=splits,
                             hopper_kernel=True)
-    stand_in(monkeypatch, launch=lambda *a, **k: None)  # the Hopper share missing (its slots zero)
+    def missing(q, ws, ml, *a, hstu, num_splits, **k):  # the Hopper share missing: its slots add nothing
+        for s in range(num_splits):
+            HL.clear_slot(ws[s], None if hstu else ml[s])
+
+    stand_in(monkeypatch, launch=missing)
     with pytest.raises(AssertionError):
         check_attention(args, kw, persistent=False, block_m=16, block_n=16, splits=2, hopper_kernel=True)
 
@@ -107,7 +111,7 @@ def test_a_failing_hopper_launch_turns_it_off_and_the_call_reruns_portable(monke
     args, bias = make_problem(USERS[:4], 16, 2, 32, seed=7)
     kw = attention_kwargs("hstu", bias, 32)
     plain = pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2)
-    calls = []
+    calls, real_launch = [], HL.launch
 
     def broken(*a, **k):
         calls.append(1)
@@ -132,6 +136,16 @@ def test_a_failing_hopper_launch_turns_it_off_and_the_call_reruns_portable(monke
     with pytest.raises(HL.LaunchError, match="no such instruction") as info:
         pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2, hopper_kernel=True)
     assert isinstance(info.value.__cause__, RuntimeError)
+    # the real launch: whatever its body raises (here the descriptor, before any compile) is such a failure
+    monkeypatch.setattr(HL, "_failed", None)
+
+    def bad_descriptor(*a, **k):
+        raise ValueError("strides must be 16-byte aligned")
+
+    monkeypatch.setattr(HL, "_launch", bad_descriptor)
+    with pytest.raises(HL.LaunchError, match="ValueError: strides must be 16-byte aligned"):
+        real_launch(*[None] * 13, hstu=True, page_size=16, num_splits=1, split_len=64, scale=1.0, inv_norm=1.0)
+    assert HL._failed == "ValueError: strides must be 16-byte aligned"
 
 
 def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
