@@ -97,7 +97,7 @@ def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_d
         import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
     except ImportError as err:
         return f"needs Triton's Gluon with Hopper support ({err})"
-    bn = CONFIGS[head_dim][0] if head_dim in CONFIGS else 0
+    bn = block_n(head_dim) if head_dim in CONFIGS else 0
     problems = [(dtype not in (torch.bfloat16, torch.float16), f"bf16 or fp16 only, got {dtype}"),
                 (quantized, "pages in the model's dtype only"),
                 (head_dim not in CONFIGS, f"head dim 64, 128 or 256, got {head_dim}"),
@@ -124,8 +124,10 @@ def key_block(hopper_kernel: Optional[bool], **call) -> int:
 def programs_per_split(plan, num_heads: int) -> int:
     """Programs of one split of the kernel's launches for ``plan``: a program per 64 rows of each tile it may take
     (candidate tiles, and history tiles of a height it takes), per head."""
+    from ._hopper import SUB_M
+
     tiles = ((plan.cand_tiles, plan.block_m), (plan.hist_tiles, plan.hist_block_m))
-    return num_heads * sum(t.shape[1] * (rows // 64) for t, rows in tiles if takes(rows))
+    return num_heads * sum(t.shape[1] * (rows // SUB_M.value) for t, rows in tiles if takes(rows))
 
 
 def pick_splits(device: torch.device, head_dim: int, programs_per_split: int, max_keys: int) -> int:
@@ -144,8 +146,8 @@ def pick_splits(device: torch.device, head_dim: int, programs_per_split: int, ma
     bn, _, maxnreg = H.CONFIGS[head_dim]
     slots = C.num_cores(device) * (65536 // (maxnreg * 256))
     most = max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
-    return min(range(1, most + 1), key=lambda s: -(-programs_per_split * s // slots) * (max_keys / s
-                                                                                         + OVERHEAD_ROWS / 2) / bn)
+    return min(range(1, most + 1),
+               key=lambda s: C.cdiv(programs_per_split * s, slots) * (max_keys / s + OVERHEAD_ROWS / 2) / bn)
 
 
 def clear_slot(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> None:

@@ -125,9 +125,11 @@ def instruction_mix(cubin: bytes) -> tuple[Mix, Mix]:
     instructions (:func:`_skippable`)."""
     code = disassemble(cubin)
     whole = Mix.of(collections.Counter(_opcode(t) for _, t, _, _ in code))
-    best, best_mma = Mix(0, 0, 0, 0, 0), 0
+    best, best_span = Mix(0, 0, 0, 0, 0), None
     for first, last in _loops(code):
         mix = Mix.of(collections.Counter(_opcode(t) for a, t, _, _ in code if first <= a <= last))
-        if mix.mma > best_mma:
-            best, best_mma = dataclasses.replace(mix, skippable=_skippable(code, first, last)), mix.mma
-    return whole, best
+        if mix.mma > best.mma:
+            best, best_span = mix, (first, last)
+    if best_span is None:
+        return whole, best
+    return whole, dataclasses.replace(best, skippable=_skippable(code, *best_span))
