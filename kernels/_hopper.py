@@ -38,6 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._merge_kernel import NO_KEY_MAX
+
 # TMA's global-to-shared copy: ``async_load`` in Triton 3.7+, ``async_copy_global_to_shared`` before (3.6, the GPU
 # machines' Triton; removed since)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -131,7 +133,7 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
     acc1 = gl.zeros([SUB_M, PART], gl.float32, O_LAYOUT)  # (O_PARTS == 2 only)
     s0 = gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT)
     row_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_layout)  # softmax: running max of the log2-scaled scores
+    m_i = gl.full([SUB_M], NO_KEY_MAX, gl.float32, row_layout)  # softmax: running max of the log2-scaled scores
     l_i = gl.zeros([SUB_M], gl.float32, row_layout)          # softmax: running sum of 2^(x - m_i)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     # The bias table: a candidate tile's one row (its user's), a history tile's 64 rows (one per query row).

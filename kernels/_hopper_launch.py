@@ -74,7 +74,8 @@ def pages_fit(page_size: int, key_block: int) -> bool:
 
 
 def takes(block_m: int) -> bool:
-    """Whether the kernel takes tiles of ``block_m`` rows (64 or 128: one or two programs of one warp group)."""
+    """Whether the kernel takes tiles of ``block_m`` rows (64 or 128: one or two programs of one warp group,
+    ``_hopper.SUB_M`` rows each; spelled here, where no Gluon is imported: this runs on every call)."""
     return block_m in (64, 128)
 
 
@@ -139,14 +140,13 @@ def pick_splits(device: torch.device, head_dim: int, programs_per_split: int, ma
     At NVIDIA's ranking shape (24 programs a split, 132 SMs x 2, 4096 keys of 32-key blocks) 11 splits make one
     wave, where the portable kernel's rule (16) makes 1.45, i.e. two. 1 on a device other than CUDA."""
     from . import _hopper as H
-    from ._split import MAX_SPLITS, MIN_SPLIT_KEYS
+    from ._split import most_splits
 
     if device.type != "cuda":
         return 1
     bn, _, maxnreg = H.CONFIGS[head_dim]
     slots = C.num_cores(device) * (65536 // (maxnreg * 256))
-    most = max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
-    return min(range(1, most + 1),
+    return min(range(1, most_splits(max_keys) + 1),
                key=lambda s: C.cdiv(programs_per_split * s, slots) * (max_keys / s + OVERHEAD_ROWS / 2) / bn)
 
 
@@ -154,9 +154,11 @@ def clear_slot(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> None:
     """Make one slot of the split partials (``ws [total_q, H, D]``, softmax's ``ml [total_q, H, 2]``) add nothing
     to the merge, for rows whose tiles no launch writes into it: HSTU's zero; softmax's a split without keys (the
     kernels' initial running max, a zero sum)."""
+    from ._merge_kernel import NO_KEY_MAX
+
     ws.zero_()
     if ml is not None:
-        ml[..., 0].fill_(-1.0e30)
+        ml[..., 0].fill_(NO_KEY_MAX.value)
         ml[..., 1].zero_()
 
 
@@ -220,10 +222,12 @@ def emulate(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
     """What :func:`launch` writes, in torch (fp32 math; the tests' stand-in where no sm_90 GPU runs it, and its
     reference on one): for each row of the tiles, head and split ``s``, over the split's share of the user's full
     cached key blocks, HSTU's ``sum SiLU(q.k_j scale + bias_j) v_j / N`` into ``ws[s]``, or softmax's
-    ``sum 2^(x_j - m) v_j / l`` with ``x_j = q.k_j scale log2(e)``, its max ``m`` (``-1e30`` without keys) and sum
+    ``sum 2^(x_j - m) v_j / l`` with ``x_j = q.k_j scale log2(e)``, its max ``m`` (``NO_KEY_MAX`` without keys) and sum
     ``l`` into ``ws[s]`` and ``ml[s]`` (the kernel's ``m`` may lag the exact max by up to its ``RESCALE_AT``, its
     ``l`` then smaller by ``2^lag``: the same merged result). ``halved``: the table's entries are half the bias
     (the fast-SiLU form the kernel reads)."""
+    from ._merge_kernel import NO_KEY_MAX
+
     total_q, num_heads, head_dim = q.shape
     bn = key_block or block_n(head_dim)
     cu, ncand = cu_seqlens_q.tolist(), num_candidates.tolist()
@@ -246,7 +250,7 @@ def emulate(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
         for s in range(num_splits):
             lo, hi = s * split_len, min((s + 1) * split_len, full)
             part = torch.zeros(len(rows), num_heads, head_dim, device=q.device)
-            m = torch.full((num_heads, len(rows)), -1.0e30, device=q.device)
+            m = torch.full((num_heads, len(rows)), NO_KEY_MAX.value, device=q.device)
             l = torch.zeros(num_heads, len(rows), device=q.device)
             if hi > lo and hstu:
                 w = torch.nn.functional.silu(logits[:, :, lo:hi])

@@ -15,10 +15,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["merge_kernel", "BLOCK_R", "MAX_BLOCK_D"]
+__all__ = ["merge_kernel", "BLOCK_R", "MAX_BLOCK_D", "NO_KEY_MAX"]
 
 BLOCK_R = 16      # (row, head) pairs a program
 MAX_BLOCK_D = 64  # value columns a program: more programs than rows alone give (a ranking has few rows)
+# Softmax's running max before any key (log2 domain), in every kernel that keeps one: a split partial that saw no
+# key is (NO_KEY_MAX, 0) and weighs nothing here, beside any split that saw one (2^(NO_KEY_MAX - M) is 0).
+NO_KEY_MAX = tl.constexpr(-1.0e30)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_splits"])  # (a new batch size compiles nothing)
@@ -33,15 +36,15 @@ def merge_kernel(
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
     ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    top = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)  # (the kernels' running max before any key)
+    top = tl.full([BLOCK_R], NO_KEY_MAX, dtype=tl.float32)
     for split in range(num_splits):
         top = tl.maximum(top, tl.load(ml_ptr + (split * num_rows + rows).to(tl.int64) * 2, mask=row_ok,
-                                      other=-1.0e30))
+                                      other=NO_KEY_MAX))
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     for split in range(num_splits):
         at = (split * num_rows + rows).to(tl.int64)  # (S x rows < 2**31: the launcher's bound)
-        w = tl.exp2(tl.load(ml_ptr + at * 2, mask=row_ok, other=-1.0e30) - top) \
+        w = tl.exp2(tl.load(ml_ptr + at * 2, mask=row_ok, other=NO_KEY_MAX) - top) \
             * tl.load(ml_ptr + at * 2 + 1, mask=row_ok, other=0.0)
         den += w
         part = tl.load(ws_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ._bias import _rel_bias
 from ._bias_table import history_column
+from ._merge_kernel import NO_KEY_MAX
 
 # Integer arguments that change from batch to batch. Triton specialises an int argument on its value being 1 or a
 # multiple of 16 by default, so each new combination would compile a new binary (about a second, paid by the
@@ -372,7 +373,7 @@ def prefix_attention_kernel(
         q = tl.load(q_ptr + g_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.zeros([SUB_M, BLOCK_DV], dtype=tl.float32)
-        m_i = tl.full([SUB_M], -1.0e30, dtype=tl.float32)     # softmax: running max of log2-scaled logits
+        m_i = tl.full([SUB_M], NO_KEY_MAX, dtype=tl.float32)   # softmax: running max of log2-scaled logits
         l_i = tl.zeros([SUB_M], dtype=tl.float32)             # softmax: running sum of exp2(logit - m_i)
 
         # This split's keys [lo, lo + split_len) of the tile's: the cached prefix, then the new history rows it sees.

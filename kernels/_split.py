@@ -48,7 +48,13 @@ def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Opti
     cores = C.num_cores(device)
     if num_work >= cores:
         return 1
-    return max(1, min(C.cdiv(2 * cores, num_work), max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return min(C.cdiv(2 * cores, num_work), most_splits(max_keys))
+
+
+def most_splits(max_keys: int) -> int:
+    """The most splits of ``max_keys`` keys (the longest user's) either split rule chooses: at least
+    :data:`MIN_SPLIT_KEYS` keys each, at most :data:`MAX_SPLITS`; at least 1."""
+    return max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Optional[int] = None,

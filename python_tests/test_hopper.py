@@ -168,6 +168,19 @@ def test_per_batch_integers_are_not_specialised():
     assert {p.name for p in H.hopper_kernel.params if p.do_not_specialize} == {"num_splits", "split_len", "total_q"}
 
 
+def test_tile_heights_taken_are_one_or_two_of_the_kernels_programs():
+    """``takes`` (which spells the heights so that no Gluon is imported on every call) agrees with the kernel's rows
+    a program, and the split rules share one bound on the split count."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from relaygr_engine.kernels import _hopper as H
+    from relaygr_engine.kernels import _split
+
+    sub_m = H.SUB_M.value
+    assert [m for m in (16, 32, sub_m, 2 * sub_m, 4 * sub_m) if HL.takes(m)] == [sub_m, 2 * sub_m]
+    assert _split.most_splits(0) == 1 and _split.most_splits(10 ** 9) == _split.MAX_SPLITS
+    assert _split.most_splits(3 * _split.MIN_SPLIT_KEYS + 1) == 3
+
+
 def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
     cache = torch.zeros(4, 2, 64, 4, 256, dtype=torch.bfloat16)
     ok = dict(device=torch.device("cuda"), dtype=torch.bfloat16, quantized=False, head_dim=256,
