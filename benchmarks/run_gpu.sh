@@ -16,9 +16,11 @@
 # files: one call, its timeout_s about 560, of
 #   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
 # with, in order of what is least known and most asked (as of 2026-11-26; the first steps compile the kernels'
-# variants for the later ones, which find them in Triton's cache):
-#   1. STEPS="env tests-hopper kernels-hopper-rank rank rank-hopper kernels-splits profile-graphs kernels-hopper"
-#   2. STEPS="kernels-hopper-softmax kernels-split-dtype"   3. STEPS="tiers-8k kernels-d256 tests-gpu"
+# variants for the later ones, which find them in Triton's cache; tests-hopper-twin is the sm_90 kernel alone against
+# its torch twin, no autotuning: which variant is wrong, if any, in a minute or two, where tests-hopper's reference
+# tests autotune the portable kernel's share of every case):
+#   1. STEPS="env tests-hopper-twin kernels-hopper-rank rank-hopper rank tests-hopper profile-graphs kernels-splits"
+#   2. STEPS="kernels-hopper kernels-hopper-softmax kernels-split-dtype"   3. STEPS="tiers-8k kernels-d256 tests-gpu"
 #   3b. STEPS="kernels-vsplits-rank rank-compile ncu"
 #   4. STEPS="kernels-d64 kernels-d128 ncu-kernel ncu-hopper tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
@@ -26,7 +28,7 @@
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
-# kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas
+# kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas
 # kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
 # rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
@@ -130,6 +132,7 @@ step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hs
 # reference within bf16 tolerance, eagerly and in a graph), then beside the portable kernel in one run: the long
 # head-dim-256 HSTU shapes (matmul_fraction_long_hstu_hopper beside matmul_fraction_long_hstu), one ranking layer at
 # NVIDIA's shape, the softmax shapes at every head dim (matmul_fraction_long_softmax_hopper); a whole ranking with it.
+step tests-hopper-twin 150 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -k twin -p no:cacheprovider
 step tests-hopper 330 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -p no:cacheprovider
 step kernels-hopper 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --head-dims 256 --hopper-kernel no,yes \
     --json "${OUT_DIR}/kernels-hopper.json"
