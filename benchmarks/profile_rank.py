@@ -133,6 +133,7 @@ def main() -> None:
     pr.disable()
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
     autotune_report.print_variants()  # the configs the profiled launches ran, and each candidate's time
+    print("sm_90 kernel:", autotune_report.hopper_fields())  # (whether it ran, or failed and fell back)
 
 
 if __name__ == "__main__":

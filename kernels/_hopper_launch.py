@@ -21,7 +21,7 @@ from . import _common as C
 from ._prefix_config import _capability
 
 __all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit", "takes", "why_not", "key_block",
-           "block_n", "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate"]
+           "block_n", "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate", "state"]
 
 # A program's fixed traffic in pick_splits' model: q's load, its partial's store and the merge's read of it, three
 # [64, D] tiles, i.e. 3 x 64 / (2 x BLOCK_N) key blocks' worth of K and V bytes (3 at 32-key blocks, 1.5 at 64).
@@ -30,6 +30,7 @@ OVERHEAD_ROWS = 3 * 64
 ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
+_launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
 
 
 class LaunchError(RuntimeError):
@@ -205,6 +206,14 @@ def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
             CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
+    global _launches
+    _launches += 1
+
+
+def state() -> dict:
+    """What this process did with the kernel, for a benchmark's report: ``launches`` (those that returned: eager
+    calls and CUDA-graph captures, a replay launching without Python) and ``failed`` (why it is off, or None)."""
+    return {"launches": _launches, "failed": _failed}
 
 
 def fail(err: BaseException) -> None:

@@ -132,6 +132,11 @@ def test_a_failing_hopper_launch_turns_it_off_and_the_call_reruns_portable(monke
     torch.testing.assert_close(again, plain, atol=0, rtol=0)
     assert len(calls) == 1 and "RuntimeError: no such instruction" in HL._failed
     assert [r.getMessage().count("off for this process") for r in caplog.records] == [1]
+    # a benchmark's RESULT says its figures are the portable kernel's (bench rank, profile_rank.py)
+    from relaygr_engine.bench.autotune_report import hopper_fields
+
+    launches = HL.state()["launches"]
+    assert hopper_fields() == {"hopper_launches": launches, "hopper_failed": 1}
     monkeypatch.setattr(HL, "_failed", None)  # (on again, asked for explicitly)
     with pytest.raises(HL.LaunchError, match="no such instruction") as info:
         pa.prefix_attention(**args, **kw, block_m=16, block_n=16, splits=2, hopper_kernel=True)
@@ -146,6 +151,7 @@ def test_a_failing_hopper_launch_turns_it_off_and_the_call_reruns_portable(monke
     with pytest.raises(HL.LaunchError, match="ValueError: strides must be 16-byte aligned"):
         real_launch(*[None] * 13, hstu=True, page_size=16, num_splits=1, split_len=64, scale=1.0, inv_norm=1.0)
     assert HL._failed == "ValueError: strides must be 16-byte aligned"
+    assert HL.state() == {"launches": launches, "failed": HL._failed}  # (a launch that raised is not counted)
 
 
 def test_hopper_kernel_is_asked_for_by_flag_or_environment(monkeypatch):
@@ -337,7 +343,9 @@ def test_hopper_kernel_writes_what_its_torch_twin_writes_bf16_cuda(head_dim, pag
         twin, twin_ml = ws.clone(), ml.clone()
         common = (args["kv_cache"], args["kv_indices"], args["kv_indptr"], args["kv_last_page_len"],
                   args["cu_seqlens_q"], args["num_candidates"], tiles, block_m, cand, table if hstu else None)
+        launches = HL.state()["launches"]
         HL.launch(args["q"], ws, ml, *common, hstu=hstu, **kw)
+        assert HL.state()["launches"] == launches + 1
         HL.emulate(args["q"], twin, twin_ml, *common, hstu=hstu, **kw, halved=True)
         what = f"hstu={hstu} candidate tiles={cand}"
         torch.testing.assert_close(ws.float(), twin.float(), atol=3e-2, rtol=3e-2, msg=what)

@@ -1,6 +1,8 @@
 """What the prefix kernel's autotuner chose on this device, and what each candidate took: printed by ``relaygr bench
 rank`` and ``benchmarks/profile_rank.py`` (CUDA), so a GPU run says which configs win at a shape (e.g. one 8-warp
-program per tile, two 4-warp ones, or the value columns split) without forcing each in turn.
+program per tile, two 4-warp ones, or the value columns split) without forcing each in turn; and whether the sm_90
+kernel ran (:func:`hopper_fields`: with ``RELAYGR_HOPPER_KERNEL=1`` a failure falls back to the portable kernel,
+logged once, so a run must say which kernel its figures are from).
 
 Timings are read off Triton's autotuner after each variant's tuning (its ``configs_timings``: the median of each
 config's runs, in ms); :func:`record_timings` makes the autotuner keep them, by wrapping its ``run`` for the
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["record_timings", "variants", "describe", "label", "print_variants"]
+__all__ = ["record_timings", "variants", "describe", "label", "print_variants", "hopper_fields"]
 
 _timings: dict = {}
 
@@ -93,3 +95,17 @@ def print_variants(rows: Optional[list[dict]] = None) -> list[dict]:
         timed = ", ".join(f"{c} {t:.4f}" for c, t in row["timings_ms"])
         print(f"autotuned: {row['variant']}: {row['config']}" + (f" | {timed}" if timed else ""))
     return rows
+
+
+def hopper_fields() -> dict:
+    """The sm_90 kernel in this process, for a RESULT line: ``hopper_launches`` (launches that returned: eager calls
+    and CUDA-graph captures) and ``hopper_failed`` (1 if it failed and the portable kernel ran instead, the reason
+    printed). Empty without Triton's Gluon (nothing to report)."""
+    try:
+        from ..kernels import _hopper_launch as HL
+    except ImportError:
+        return {}
+    state = HL.state()
+    if state["failed"] is not None:
+        print(f"note: the sm_90 kernel failed and the portable kernel ran instead: {state['failed']}")
+    return {"hopper_launches": state["launches"], "hopper_failed": int(state["failed"] is not None)}

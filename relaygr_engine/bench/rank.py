@@ -31,6 +31,10 @@ model's dtype). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8
 
     relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256
 
+On CUDA the RESULT also says whether the sm_90 kernel served (``RELAYGR_HOPPER_KERNEL=1``): ``hopper_launches``
+(its launches: eager calls and graph captures) and ``hopper_failed`` (1: it failed, the portable kernel ran, the
+reason printed).
+
     relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--new N] [--repeats N]
                        [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--model PRESET]
                        [--layers N] [--hidden N] [--heads H] [--head-dim D] [--dtype D] [--page-size N]
@@ -213,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   model=args.model, layers=shape.num_layers, hidden=shape.hidden_dim, heads=shape.num_heads,
                   head_dim=shape.head_dim, dtype=shape.dtype, kv_bytes_per_token=shape.kv_bytes_per_token,
                   device=str(device), threads=env["threads"])
+    if device.type == "cuda":
+        result.update(autotune_report.hopper_fields())
     tuned = autotune_report.print_variants()  # which configs won on this device (CUDA), and by how much
     emit_result(result, args.json, extra=dict(environment=env, rows=rows, new_tokens=args.new, repeats=repeats,
                                               autotuned=tuned))
