@@ -28,9 +28,10 @@
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
-# kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas
-# kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
-# rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k by default;
+# kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
+# rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
+# rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
+# part of tests-hopper, by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU

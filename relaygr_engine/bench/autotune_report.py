@@ -100,7 +100,7 @@ def print_variants(rows: Optional[list[dict]] = None) -> list[dict]:
 def hopper_fields() -> dict:
     """The sm_90 kernel in this process, for a RESULT line: ``hopper_launches`` (launches that returned: eager calls
     and CUDA-graph captures) and ``hopper_failed`` (1 if it failed and the portable kernel ran instead, the reason
-    printed). Empty without Triton's Gluon (nothing to report)."""
+    printed). Empty without Triton (no kernel to report on)."""
     try:
         from ..kernels import _hopper_launch as HL
     except ImportError:

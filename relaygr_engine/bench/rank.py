@@ -31,14 +31,14 @@ model's dtype). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8
 
     relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256
 
-On CUDA the RESULT also says whether the sm_90 kernel served (``RELAYGR_HOPPER_KERNEL=1``): ``hopper_launches``
-(its launches: eager calls and graph captures) and ``hopper_failed`` (1: it failed, the portable kernel ran, the
-reason printed).
-
     relaygr bench rank [--quick] [--json PATH] [--attention hstu|softmax] [--new N] [--repeats N]
                        [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--model PRESET]
                        [--layers N] [--hidden N] [--heads H] [--head-dim D] [--dtype D] [--page-size N]
                        [--lengths L,L,...] [--candidates C,C,...] [--compile] [--cuda-graphs]
+
+On CUDA the RESULT also says whether the sm_90 kernel served (``RELAYGR_HOPPER_KERNEL=1``): ``hopper_launches``
+(its launches: eager calls and graph captures) and ``hopper_failed`` (1: it failed, the portable kernel ran, the
+reason printed).
 """
 from __future__ import annotations
 
