@@ -2,9 +2,12 @@
 
 8 layers, 4 heads x 256, bf16, a 4096-token history of which 3968 are cached, 256 candidates: prints the device
 kernels by total CUDA time, the host-side aten ops by CPU time (torch.profiler), and the engine's Python functions
-by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. With ``--interleave`` it also times and
-profiles each ranking after a dense full inference and a miss (as ``relaygr bench rank`` interleaves its paths), its
-GPU busy time counted within the ranking's own call. With ``--cuda-profiler-window`` it runs
+by cumulative time (cProfile), each for ``--calls`` warmed-up rankings. A ranking returns its scores on the device
+without waiting for them, so rankings run back to back overlap one's host work with the previous one's GPU work; the
+script times them both ways (waited for after each call, and only after the last). With ``--interleave`` it also
+times and profiles each ranking after a dense full inference and a miss (as ``relaygr bench rank`` interleaves its
+paths), waited for, its GPU busy time counted within the ranking's own call and wait. With
+``--cuda-profiler-window`` it runs
 one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else, for Nsight Compute to measure just
 that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times before):
 
@@ -37,8 +40,8 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
 
 
 def within(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The ``(start, end)`` spans that lie inside one of the ``windows`` (a call's host span, which waits for its
-    own GPU work: the kernels it launched)."""
+    """The ``(start, end)`` spans that lie inside one of the ``windows`` (a call's host span and its wait for the
+    device: the kernels it launched)."""
     return [(a, b) for a, b in spans if any(lo <= a and b <= hi for lo, hi in windows)]
 
 
@@ -51,6 +54,7 @@ def interleaved(rank, other, calls: int) -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         rank()
+        torch.cuda.synchronize()  # (its scores: a ranking returns without waiting for its GPU work)
         times.append((time.perf_counter() - t0) * 1e3)
     print(f"per ranking after a full inference and a miss: median {percentile(times, 50):.2f} ms "
           f"(min {min(times):.2f}, max {max(times):.2f})")
@@ -61,6 +65,7 @@ def interleaved(rank, other, calls: int) -> None:
             torch.cuda.synchronize()
             with torch.profiler.record_function("relaygr.ranking"):
                 rank()
+                torch.cuda.synchronize()
     events = prof.events()
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "relaygr.ranking"]
     spans = within([(e.time_range.start, e.time_range.end) for e in events
@@ -102,12 +107,17 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
         return
-    t0 = time.perf_counter()
-    for _ in range(args.calls):
-        rank()  # returns host scores: each ranking waits for its own GPU work
-    torch.cuda.synchronize()
-    t_all = time.perf_counter() - t0
-    print(f"per ranking: {t_all / args.calls * 1e3:.2f} ms end to end, rankings back to back")
+    for wait_each in (True, False):  # (a ranking returns its scores on the device without waiting for them)
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            rank()
+            if wait_each:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        t_all = time.perf_counter() - t0
+        how = ("each waited for (latency)" if wait_each
+               else "waited for after the last only (host work overlapping the previous ranking's GPU work)")
+        print(f"per ranking: {t_all / args.calls * 1e3:.2f} ms end to end, rankings back to back, {how}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.calls):

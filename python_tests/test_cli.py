@@ -93,3 +93,12 @@ def test_bench_rank_back_to_back_calls_each_once_and_averages(monkeypatch):
     monkeypatch.setattr(rank.time, "perf_counter", lambda: clock[0])
     assert rank.back_to_back_ms(lambda: clock.__setitem__(0, clock[0] + 0.005), torch.device("cpu"), 4) == \
         pytest.approx(5.0)
+    # on CUDA (a stand-in synchronise): once before and once after, or after every call too (each call's latency)
+    log = []
+    monkeypatch.setattr(rank.torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    call = lambda: log.append("call")  # noqa: E731
+    rank.back_to_back_ms(call, torch.device("cuda"), 3)
+    assert log == ["sync", "call", "call", "call", "sync"]
+    log.clear()
+    rank.back_to_back_ms(call, torch.device("cuda"), 2, wait_each=True)
+    assert log == ["sync", "call", "sync", "call", "sync", "sync"]

@@ -14,10 +14,14 @@ Scores of all three are checked to agree. With ``--cuda-graphs`` a second engine
 ``cached`` again through CUDA graphs (:mod:`relaygr_engine.engine.graphs`), timed in the same runs, after the
 warm-up captured them: ``graph_speedup`` is graphed recompute (full inference through the same kernels) over
 graphed cached, ``graph_speedup_vs_dense`` the eager dense ``full`` over graphed cached, ``graph_gain`` eager cached
-over graphed cached (:func:`graph_result`). ``graph_cached_b2b_ms`` is the graphed cached ranking again, ``--repeats``
-of them back to back after the interleaved runs (each still waits for its scores; :func:`back_to_back_ms`), as
-``benchmarks/profile_rank.py`` times it: on an H100 (2026-11-25, run 3) that took 1.18 ms per ranking where the
-interleaved runs' median was 2.18 ms. With ``--compile`` every path runs the
+over graphed cached (:func:`graph_result`). Every timed run above is a latency: the device synchronised before the
+call and after it (a ranking returns its scores on the device without waiting for them). After the interleaved runs
+the graphed cached ranking runs ``--repeats`` times back to back (:func:`back_to_back_ms`), twice:
+``graph_cached_b2b_wait_ms`` synchronises after each call (a warm ranking's latency, nothing else run between), and
+``graph_cached_b2b_ms`` only after the last, so each ranking's host work overlaps the previous one's GPU work (a
+stream of rankings' time per ranking, as ``benchmarks/profile_rank.py`` timed it: on an H100, 2026-11-25, run 3,
+that took 1.18 ms per ranking where the interleaved runs' median latency was 2.18 ms). With ``--compile`` every path
+runs the
 whole model compiled (``torch.compile(fullgraph=True, dynamic=True)``: the engines with ``compile_model=True``,
 ``full`` through the compiled dense forward); the warm-up compiles and is not timed. NVIDIA's shape with both::
 
@@ -83,14 +87,17 @@ def _time(fn, device: torch.device):
     return (time.perf_counter() - t0) * 1e3, out
 
 
-def back_to_back_ms(fn, device: torch.device, n: int) -> float:
+def back_to_back_ms(fn, device: torch.device, n: int, wait_each: bool = False) -> float:
     """Milliseconds per call of ``n`` calls of ``fn`` one after the other, the device synchronised before the
-    first and after the last only."""
+    first and after the last, and with ``wait_each`` after every call (each call's latency; without it a call's
+    host work overlaps the device work the previous calls queued)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
+        if wait_each and device.type == "cuda":
+            torch.cuda.synchronize(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) * 1e3 / n
@@ -203,12 +210,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             result[f"cached_ms_L{L}_C{C}"] = round(k, 2)
             if graphed is not None:
                 g, gr = percentile(graph_ms, 50), percentile(graph_re_ms, 50)
-                b2b = back_to_back_ms(lambda: graphed.rank_with_prefix(user_id=i, history=hist, candidates=c),
-                                      device, repeats)
-                rows[-1].update(graph_cached_ms=g, graph_recompute_ms=gr, graph_cached_b2b_ms=b2b)
+                again = lambda: graphed.rank_with_prefix(user_id=i, history=hist, candidates=c)  # noqa: E731
+                b2b_wait = back_to_back_ms(again, device, repeats, wait_each=True)
+                b2b = back_to_back_ms(again, device, repeats)
+                rows[-1].update(graph_cached_ms=g, graph_recompute_ms=gr, graph_cached_b2b_wait_ms=b2b_wait,
+                                graph_cached_b2b_ms=b2b)
                 print(f"{'':>6} {'':>5} {'graphs':>7} {'':>10} {gr:>10.2f} {g:>10.2f} {f / g:>7.1f}x {gr / g:>8.1f}x "
-                      f"{'':>10} (cached eager / graphs {k / g:.2f}x; cached back to back {b2b:.2f} ms)")
+                      f"{'':>10} (cached eager / graphs {k / g:.2f}x; cached back to back: {b2b_wait:.2f} ms each "
+                      f"waited for, {b2b:.2f} ms overlapped)")
                 result.update(graph_result(L, C, full_ms=f, cached_ms=k, graph_full_ms=gr, graph_cached_ms=g))
+                result[f"graph_cached_b2b_wait_ms_L{L}_C{C}"] = round(b2b_wait, 2)
                 result[f"graph_cached_b2b_ms_L{L}_C{C}"] = round(b2b, 2)
     fallbacks = sum(e.stats()["compile_failures"] for e in (engine, graphed) if e is not None)
     if fallbacks:
