@@ -7,9 +7,9 @@ without waiting for them, so rankings run back to back overlap one's host work w
 script times them both ways (waited for after each call, and only after the last). With ``--interleave`` it also
 times and profiles each ranking after a dense full inference and a miss (as ``relaygr bench rank`` interleaves its
 paths), waited for, its GPU busy time counted within the ranking's own call and wait. With
-``--cuda-profiler-window`` it runs
-one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else, for Nsight Compute to measure just
-that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times before):
+``--cuda-profiler-window`` it runs one warmed-up ranking between ``cudaProfilerStart``/``Stop`` and nothing else,
+for Nsight Compute to measure just that ranking's kernels (warm-up and autotuning launch the kernel hundreds of times
+before):
 
     python benchmarks/profile_rank.py [--calls 5] [--cuda-graphs]
     ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
