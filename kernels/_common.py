@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..config import SHORT_DTYPE_NAMES
@@ -182,8 +183,9 @@ def tile_streams(device: torch.device, concurrent: bool):
 EMPTY_TILE_ROW = 1 << 30  # first row of a padding tile: past every segment, so the tile computes and stores nothing
 
 
-def tile_table(seqlens: Sequence[int], num_candidates: Sequence[int], block_m: tuple[int, int],
-               num_tiles: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_arrays(seqlens: Sequence[int], num_candidates: Sequence[int], block_m: tuple[int, int],
+                num_tiles: Optional[tuple[int, int]] = None,
+                out: Optional[tuple[np.ndarray, np.ndarray]] = None) -> tuple[np.ndarray, np.ndarray]:
     """The prefix-attention tiles of a varlen batch: history tiles and candidate tiles, never mixed.
 
     User ``b``'s rows ``[0, n_b)`` (``n_b = seqlens[b] - num_candidates[b]``, its new history) are cut into history
@@ -199,26 +201,37 @@ def tile_table(seqlens: Sequence[int], num_candidates: Sequence[int], block_m: t
     num_tiles : (int, int), optional
         Pad the two tables to these many tiles (a CUDA graph's fixed grid); a padding tile belongs to the last user
         and starts at :data:`EMPTY_TILE_ROW`, past every segment, so it computes and stores nothing.
+    out : (int32 array [2, num_tiles[0]], int32 array [2, num_tiles[1]]), optional
+        Write the (padded) tables there.
 
     Returns
     -------
-    (hist_tiles, cand_tiles) : int32 Tensors [2, n] on the host, each column ``[user, first row in its segment]``.
+    (hist_tiles, cand_tiles) : int32 arrays [2, n], each column ``[user, first row in its segment]``.
     """
+    assert seqlens and len(seqlens) == len(num_candidates), (seqlens, num_candidates)
     tables = []
     for kind in range(2):
         users, rows = [], []
         for b, (n, c) in enumerate(zip(seqlens, num_candidates)):
             lo, hi = (0, n - c) if kind == 0 else (n - c, n)
-            for r in range(lo, hi, block_m[kind]):
-                users.append(b)
-                rows.append(r)
-        if num_tiles is not None:
-            assert num_tiles[kind] >= len(users) and seqlens, (num_tiles, kind, len(users))
-            pad = num_tiles[kind] - len(users)
-            users += [len(seqlens) - 1] * pad
-            rows += [EMPTY_TILE_ROW] * pad
-        tables.append(torch.tensor([users, rows], dtype=torch.int32).view(2, -1))
+            first = range(lo, hi, block_m[kind])
+            users += [b] * len(first)
+            rows += first
+        size = len(users) if num_tiles is None else num_tiles[kind]
+        assert size >= len(users), (num_tiles, kind, len(users))
+        table = np.empty((2, size), dtype=np.int32) if out is None else out[kind]
+        assert table.shape == (2, size) and table.dtype == np.int32, (table.shape, table.dtype, size)
+        table[0, :len(users)], table[0, len(users):] = users, len(seqlens) - 1
+        table[1, :len(users)], table[1, len(users):] = rows, EMPTY_TILE_ROW
+        tables.append(table)
     return tables[0], tables[1]
+
+
+def tile_table(seqlens: Sequence[int], num_candidates: Sequence[int], block_m: tuple[int, int],
+               num_tiles: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile_arrays` as int32 CPU tensors ``[2, n]`` (sharing the arrays' memory)."""
+    hist, cand = tile_arrays(seqlens, num_candidates, block_m, num_tiles)
+    return torch.from_numpy(hist), torch.from_numpy(cand)
 
 
 def describe(x) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ if not torch.cuda.is_available():  # Triton reads this when it first decorates k
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import relaygr_engine as rg  # noqa: E402
-from relaygr_engine._host import Arena  # noqa: E402
+from relaygr_engine._host import Arena, _layout, _stage, _view  # noqa: E402
 from relaygr_engine.engine.graphs import GraphRunner, bucket  # noqa: E402
 
 from engine_helpers import ATOL, assert_exact, candidates, history, make_engine, make_model  # noqa: E402
@@ -30,16 +31,30 @@ def test_bucket_pads_at_most_a_quarter_to_multiples_of_16():
     assert bucket(100, steps=1) == 128 and bucket(129, steps=1) == 256
 
 
-def test_arena_fills_host_tensors_in_one_buffer_and_checks_them():
+def test_arena_stages_host_values_and_loads_them_in_one_copy():
     a = Arena([(torch.int32, (3,)), (torch.bool, (5,)), (torch.long, (2, 2))], torch.device("cpu"))
-    a.fill([torch.arange(3, dtype=torch.int32), torch.ones(5, dtype=torch.bool), torch.arange(4).view(2, 2)])
+    staging, arrays = a.stage()
+    assert staging.dtype == torch.uint8 and staging.numel() == a.nbytes
+    assert [(x.dtype, x.shape) for x in arrays] == [(np.int32, (3,)), (np.bool_, (5,)), (np.int64, (2, 2))]
+    arrays[0][:] = [0, 1, 2]
+    arrays[1][:] = True
+    arrays[2][:] = [[0, 1], [2, 3]]
+    assert a.views[0].tolist() == [0, 0, 0]  # nothing copied before load
+    a.load(staging)
     assert a.views[0].tolist() == [0, 1, 2] and a.views[1].all() and a.views[2].tolist() == [[0, 1], [2, 3]]
     assert all(v.untyped_storage().data_ptr() == a.buffer.untyped_storage().data_ptr() for v in a.views)
-    with pytest.raises(ValueError, match=r"tensors\[2\] must be a torch.int64 tensor of shape \[2, 2\], got "):
-        a.fill([torch.zeros(3, dtype=torch.int32), torch.ones(5, dtype=torch.bool), torch.zeros(4)])
-    assert a.views[0].tolist() == [0, 1, 2]  # nothing copied
-    with pytest.raises(ValueError, match="must hold 3 entries"):
-        a.fill([])
+    again, arrays = a.stage()  # a fresh buffer: the last one may still be read by a pending copy
+    assert again.data_ptr() != staging.data_ptr()
+
+
+def test_staging_packs_tensors_of_any_dtype_at_their_offsets():
+    ts = [torch.arange(3, dtype=torch.int32), None, torch.tensor([True, False]), torch.arange(6.0).view(2, 3).t(),
+          torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.ones(2, requires_grad=True)]
+    offsets, total = _layout([0 if t is None else t.numel() * t.element_size() for t in ts])
+    staging = _stage(ts, offsets, total, torch.device("cpu"))
+    for t, o in zip(ts, offsets):
+        if t is not None:
+            assert torch.equal(_view(staging, o, t.dtype, t.shape), t.detach()), (t, o)
 
 
 def test_cuda_graphs_argument_is_checked():
@@ -179,7 +194,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("attention", ["hstu", "softmax"])
 def test_cuda_graph_replays_are_exact_and_never_wait_for_the_device(attention):
     """fp32 on CUDA: the first ranking of a bucket is captured, later ones of other lengths in the same bucket replay
-    it, exactly, with no device-to-host synchronisation; a second bucket is captured beside it."""
+    it, exactly, with no device-to-host synchronisation; a second bucket is captured beside it; a request given on
+    the device replays too."""
     from relaygr_engine.testing import forbid_device_sync
 
     model = rg.build_ranker(make_model(attention).config, seed=0, device="cuda")
@@ -200,6 +216,12 @@ def test_cuda_graph_replays_are_exact_and_never_wait_for_the_device(attention):
     assert engine.stats()["graph_captures"] == 2
     assert_exact(two[0], model, h.prefix(110), c)
     assert_exact(two[1], model, h, c[:4])
+    replays = engine.stats()["graph_replays"]
+    for L in (110, 120):  # requests given on the device: their rows are copied there, into one bucket
+        r = engine.rank_with_prefix(L, h.prefix(L).to("cuda"), c.cuda())
+        assert r.source == "hbm"
+        assert_exact(r, model, h.prefix(L), c)
+    assert engine.stats()["graph_replays"] > replays
     scores = first.scores.clone()
     engine.rank_with_prefix(110, h.prefix(110), c)                      # a replay does not touch earlier results
     assert torch.equal(first.scores, scores)

@@ -7,6 +7,7 @@ batch never waits for the device.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -15,6 +16,9 @@ import torch
 __all__ = ["Arena", "to_device", "ship"]
 
 _ALIGN = 16  # bytes: every dtype's alignment
+_NUMPY = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+          torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
+          torch.float64: np.float64}  # the dtypes staged with numpy writes
 
 
 def to_device(a, dtype: np.dtype, device: torch.device) -> torch.Tensor:
@@ -58,19 +62,32 @@ def _layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
     return buf[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
 
 
+def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of host memory to copy to ``device`` from: pinned for CUDA (torch's caching host allocator keeps
+    a block until the copies reading it have finished)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
 def _stage(tensors, offsets, total: int, device: torch.device) -> torch.Tensor:
-    """A host buffer (pinned for CUDA, from torch's caching host allocator) holding ``tensors`` at ``offsets``."""
-    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    """A host buffer (:func:`_host_buffer`) holding ``tensors`` at ``offsets``: numpy copies (no dispatched tensor
+    op) for the dtypes numpy has."""
+    staging = _host_buffer(total, device)
+    raw = staging.numpy()
     for t, o in zip(tensors, offsets):
-        if t is not None and t.numel():
+        if t is None or not t.numel():
+            continue
+        dtype = _NUMPY.get(t.dtype)
+        if dtype is None:
             _view(staging, o, t.dtype, t.shape).copy_(t)
+        else:
+            np.ndarray(t.shape, dtype, raw, o)[...] = (t.detach() if t.requires_grad else t).numpy()
     return staging
 
 
@@ -78,7 +95,8 @@ class Arena:
     """Device tensors of fixed dtypes and shapes in one buffer, refilled from the host in one copy.
 
     The static inputs of a captured CUDA graph: the graph reads the views' addresses, each replay refills their
-    values (:meth:`fill`: one pinned, non-blocking host-to-device copy; no wait for the device).
+    values: written with numpy into a fresh host buffer (:meth:`stage`), then one pinned, non-blocking
+    host-to-device copy (:meth:`load`; no wait for the device).
 
     Parameters
     ----------
@@ -92,29 +110,24 @@ class Arena:
         self.device = torch.device(device)
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views = [_view(self.buffer, o, dtype, shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
+        self._host_layout = [(o, _NUMPY[dtype], shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
 
-    def fill(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``tensors[i]`` into view ``i``: the host tensors in one copy, device ones one by one.
+    def stage(self) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """A fresh host buffer (:func:`_host_buffer`) laid out as the arena, and numpy views of its entries: write
+        the next values into the views, then :meth:`load` the buffer.
 
-        Raises
-        ------
-        ValueError
-            A tensor whose dtype or shape differs from its view's (before anything is copied).
+        Returns
+        -------
+        staging : uint8 Tensor [nbytes] on the host
+        arrays : list of numpy arrays
+            Entry ``i`` of ``staging``, of the arena's dtype and shape ``i`` (uninitialised).
         """
-        if len(tensors) != len(self.views):
-            raise ValueError(f"tensors must hold {len(self.views)} entries (one per view), got {len(tensors)}")
-        for i, (t, (dtype, shape)) in enumerate(zip(tensors, self.specs)):
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"tensors[{i}] must be a {dtype} tensor of shape {list(shape)}, got {got}")
-        if self.device.type == "cpu":
-            for view, t in zip(self.views, tensors):
-                view.copy_(t)
-            return
-        host = [t if t.device.type == "cpu" else None for t in tensors]
-        if any(t is not None for t in host):  # device entries' bytes are rewritten below, on the same stream
-            self.buffer.copy_(_stage(host, self.offsets, self.nbytes, self.device),
-                              non_blocking=self.device.type == "cuda")
-        for view, t in zip(self.views, tensors):
-            if t.device.type != "cpu":
-                view.copy_(t)
+        staging = _host_buffer(self.nbytes, self.device)
+        raw = staging.numpy()
+        return staging, [np.ndarray(shape, dtype, raw, offset) for offset, dtype, shape in self._host_layout]
+
+    def load(self, staging: torch.Tensor) -> None:
+        """Copy a buffer from :meth:`stage` into the arena: one non-blocking host-to-device copy (no wait for the
+        device; the caching host allocator keeps ``staging`` until the copy has read it)."""
+        assert staging.shape == self.buffer.shape and staging.device.type == "cpu", (staging.shape, self.nbytes)
+        self.buffer.copy_(staging, non_blocking=self.device.type == "cuda")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import itertools
 import logging
 import traceback
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from .._host import Arena
 from ..batch import RelayBatch
 from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
-from ..kernels._common import cdiv, tile_table
+from ..kernels._common import cdiv, tile_arrays
 from .layout import check_scores, page_layout, split_scores
 from .records import Job
 from .tiers import CacheState
@@ -97,9 +98,9 @@ class _HostLayout(tuple):
 
 
 _HIDDEN = _HostLayout()
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
 _ROW_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "is_behavior",
                "segment_ids")
+_REPEAT_LAST = ("item_ids", "action_ids", "timestamps", "positions")  # padding rows copy the batch's last row
 
 
 @dataclass(eq=False)
@@ -162,7 +163,7 @@ class GraphRunner:
         if b is None:
             b = self._new_bucket(key)
         self.buckets.move_to_end(key)
-        b.arena.fill(self._inputs(b, jobs, batch))
+        self._fill(b, jobs, batch)
         C = batch.num_candidate_rows
         if b.graph is not None:
             b.graph.replay()
@@ -225,50 +226,57 @@ class GraphRunner:
         self.buckets[key] = b
         return b
 
-    def _inputs(self, b: _Bucket, jobs: list[Job], batch: RelayBatch) -> list[torch.Tensor]:
-        """The values of ``b``'s buffers for ``batch``, in their order (host tables and the padded rows)."""
+    def _fill(self, b: _Bucket, jobs: list[Job], batch: RelayBatch) -> None:
+        """Write ``batch``'s padded rows and host tables into ``b``'s buffers: numpy writes into one staging buffer,
+        one host-to-device copy (then a copy per row field of a batch built on the device)."""
         key, ps = b.key, self.state.page_size
         C, R = batch.num_candidate_rows, len(batch)
-        R_pad = key.history_rows + key.candidates
         pad_hist, pad_cand = key.history_rows - (R - C), key.candidates - C
         empty = key.users - len(jobs)
-        seg_rows = list(batch.rows) + [0] * empty + [pad_hist + pad_cand]
-        seg_cand = list(batch.candidates_per_user) + [0] * empty + [pad_cand]
+        seg_rows = [*batch.rows] + [0] * empty + [pad_hist + pad_cand]
+        seg_cand = [*batch.candidates_per_user] + [0] * empty + [pad_cand]
         lay = page_layout(jobs, batch.rows, ps)
-        slots = np.full(R_pad, -1, dtype=np.int64)
+        staging, arrays = b.arena.stage()
+        out = dict(zip(b.names, arrays))
+        out["cu_seqlens"][:] = [0, *itertools.accumulate(seg_rows)]
+        out["num_candidates"][:] = seg_cand
+        n = lay.indptr[-1]
+        out["kv_indptr"][:len(jobs) + 1], out["kv_indptr"][len(jobs) + 1:] = lay.indptr, n
+        out["kv_indices"][:n], out["kv_indices"][n:] = lay.indices, 0
+        out["kv_last"][:len(jobs)], out["kv_last"][len(jobs):] = lay.last, 0
+        slots = out["slots"]
+        slots[:] = -1
         slots[lay.write_rows] = lay.write_pages * ps + lay.write_slots
-        ends = np.cumsum(batch.rows)
-        cand_rows = [np.arange(e - C_b, e) for e, C_b in zip(ends, batch.candidates_per_user)]
-        pages = b.view("kv_indices").numel()
-        host = {"cu_seqlens": np.cumsum([0, *seg_rows]), "num_candidates": seg_cand,
-                "kv_indptr": np.concatenate([lay.indptr, np.full(empty + 1, lay.indptr[-1])]),
-                "kv_indices": np.concatenate([lay.indices, np.zeros(pages - lay.indptr[-1], dtype=np.int32)]),
-                "kv_last": np.concatenate([lay.last, np.zeros(empty + 1, dtype=np.int32)]), "slots": slots,
-                "candidate_rows": np.concatenate([*cand_rows, np.arange(R + pad_hist, R_pad)])}
-        values = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=_NUMPY[b.view(n).dtype])) for n, a in host.items()}
-        values["hist_tiles"], values["cand_tiles"] = tile_table(seg_rows, seg_cand, b.block_m, b.num_tiles)
-        if "ts_rows" in b.names:
+        cand = out["candidate_rows"]
+        c0 = 0
+        for end, C_b in zip(itertools.accumulate(seg_rows), seg_cand):  # each user's last rows, the padding's too
+            cand[c0:c0 + C_b] = np.arange(end - C_b, end)
+            c0 += C_b
+        tile_arrays(seg_rows, seg_cand, b.block_m, b.num_tiles, out=(out["hist_tiles"], out["cand_tiles"]))
+        if "ts_rows" in out:
             written = np.flatnonzero(slots >= 0)
-            fill = np.resize(written, R_pad)                # repeats of real writes: the same values again
-            values["ts_rows"], values["ts_flat"] = torch.from_numpy(fill), torch.from_numpy(slots[fill])
-        pad = R_pad - R
+            out["ts_rows"][:] = np.resize(written, len(slots))  # repeats of real writes: the same values again
+            out["ts_flat"][:] = slots[out["ts_rows"]]
+        out["is_candidate"][R:R + pad_hist], out["is_candidate"][R + pad_hist:] = False, True  # the padding user
+        out["is_behavior"][R:R + pad_hist], out["is_behavior"][R + pad_hist:] = True, False
+        out["is_context"][R:] = False
+        out["segment_ids"][R:] = key.users
+        device_rows, on_host = [], batch.device.type == "cpu"
         for name in _ROW_FIELDS:
             t = getattr(batch, name)
             if t is None:
                 continue
-            if name in ("is_candidate", "is_behavior"):  # the padding user: history rows, then candidates
-                extra = t.new_zeros(pad)
-                extra[pad_hist:] = True
-                if name == "is_behavior":
-                    extra = ~extra
-            elif name == "is_context":
-                extra = t.new_zeros(pad)
-            elif name == "segment_ids":
-                extra = t.new_full((pad,), key.users)
-            else:
-                extra = t[-1:].expand(pad)
-            values[name] = torch.cat([t, extra]) if pad else t
-        return [values[n] for n in b.names]
+            if not on_host:
+                device_rows.append((b.view(name), t, name in _REPEAT_LAST))
+                continue
+            out[name][:R] = t.numpy()
+            if name in _REPEAT_LAST:
+                out[name][R:] = out[name][R - 1]
+        b.arena.load(staging)
+        for view, t, repeat in device_rows:  # after the staged copy, on the same stream
+            view[:R].copy_(t)
+            if repeat and R < view.numel():
+                view[R:].copy_(t[-1:].expand(view.numel() - R))
 
     # ------------------------------------------------------------------------------------------ forward
     def _static(self, b: _Bucket) -> tuple[RelayBatch, PagedState]:
