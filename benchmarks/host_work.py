@@ -49,7 +49,7 @@ def engine_for(args, device: torch.device) -> rg.RelayEngine:
     pages = len(args.seeds) * -(-args.history // 64) + 8
     engine = rg.RelayEngine(model, rg.CacheConfig(
         device=str(device), page_size=64, num_pages=pages, lease_ttl_s=3600.0, dtype=dtype, max_pinned_fraction=1.0,
-        attention_backend="triton" if device.type == "cuda" else "torch"), extend_on_rank=False)
+        attention_backend="torch"), extend_on_rank=False)  # (the rankings' forward is stubbed: no kernel to build)
     runner = StubGraphs(engine.model, engine.layers, engine.state, rg.GraphConfig(max_graphs=4, prefill=False),
                         capture=False)  # pre-infers run (eagerly): the rankings read real K/V
     runner.capture, runner.tasks = True, cfg.num_tasks
@@ -77,7 +77,7 @@ def time_seed(engine: rg.RelayEngine, seed: int, args, device: torch.device) -> 
     return times
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--calls", type=int, default=300)
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--history", type=int, default=4096)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--candidates", type=int, default=256)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     engine = engine_for(args, device)

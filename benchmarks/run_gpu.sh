@@ -20,7 +20,8 @@
 # its torch twin, no autotuning: which variant is wrong, if any, in a minute or two, where tests-hopper's reference
 # tests autotune the portable kernel's share of every case):
 #   1. STEPS="env tests-hopper-twin kernels-hopper-rank rank-hopper rank tests-hopper profile-graphs kernels-splits"
-#   2. STEPS="kernels-hopper kernels-hopper-softmax kernels-split-dtype"   3. STEPS="tiers-8k kernels-d256 tests-gpu"
+#   2. STEPS="kernels-hopper kernels-hopper-softmax kernels-split-dtype host"
+#   3. STEPS="tiers-8k kernels-d256 tests-gpu"
 #   3b. STEPS="kernels-vsplits-rank rank-compile ncu"
 #   4. STEPS="kernels-d64 kernels-d128 ncu-kernel ncu-hopper tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
@@ -29,8 +30,8 @@
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
-# rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel
-# rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
+# rank-hopper ptxas kernels-fp8 kernels-int8 sync host rank rank-compile profile profile-graphs ncu ncu-hopper
+# ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
 # part of tests-hopper, by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
@@ -64,7 +65,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sync host rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -156,6 +157,9 @@ step sync 120 $PY benchmarks/sync_audit.py
 step rank 300 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/autotune-rank.json" $PY -m relaygr_engine.cli bench rank \
     --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 \
     --cuda-graphs --json "${OUT_DIR}/rank.json"
+# The engine's host work in a graphed cached ranking at the shape of rank, the replay stubbed (this machine's CPU; a
+# ranking's latency is this, then the graph launch and the GPU work).
+step host 180 $PY benchmarks/host_work.py --device cuda
 # The same with the whole model compiled (torch.compile) on every path: fewer, fused kernels per graph.
 step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \

@@ -188,6 +188,23 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
 
+def test_host_work_benchmark_replays_a_stand_in_graph(capsys):
+    """benchmarks/host_work.py times rankings served by graph replays (the first of its bucket eager), each with
+    its real host work, and prints one RESULT line."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_work.py"
+    spec = importlib.util.spec_from_file_location("host_work", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--seeds", "0,1", "--calls", "3", "--device", "cpu", "--model", "small", "--history", "200",
+                 "--new", "20", "--candidates", "8"])  # (it asserts the replay count)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[:2]] == ["seed 0", "seed 1"]
+    assert out[-1].startswith("RESULT host_us_L200_C8=") and "seeds=2 new_rows=20 model=small device=cpu" in out[-1]
+
+
 @gpu
 @needs_cuda
 @needs_triton
