@@ -109,6 +109,29 @@ def test_padded_static_forward_equals_full_inference(attention):
 
 
 @needs_triton
+def test_padding_rows_fill_a_bucket_as_a_user_of_their_own():
+    """A ranking of 25 new history rows and 7 candidates in a bucket of 32 + 16 rows: after the user come the
+    padding user's 7 history rows, then its 9 candidates, at position 0, their ids copies of the last row; the row
+    tables count it as a user of its own."""
+    engine = _interpreted_engine(make_model())
+    h, c = history(45, seed=1), candidates(7, seed=4)
+    engine.prefill_prefix(1, h.prefix(20))
+    assert engine.rank_with_prefix(1, h, c).cached_tokens == 20
+    b = next(b for k, b in engine.runner.graphs.buckets.items() if k.candidates)
+    assert (b.key.users, b.key.history_rows, b.key.candidates) == (1, 32, 16)
+    v, R = b.view, 25 + 7
+    assert v("cu_seqlens").tolist() == [0, R, 48] and v("num_candidates").tolist() == [7, 9]
+    assert v("positions")[:R].tolist() == list(range(20, 45)) + [45] * 7 and not v("positions")[R:].any()
+    for name in ("item_ids", "action_ids", "timestamps"):
+        assert (v(name)[R:] == v(name)[R - 1]).all(), name
+    assert v("item_ids")[R - 7:R].tolist() == c.tolist()
+    assert v("is_candidate").tolist() == [False] * 25 + [True] * 7 + [False] * 7 + [True] * 9
+    assert v("is_behavior").tolist() == [True] * 25 + [False] * 7 + [True] * 7 + [False] * 9
+    assert not v("is_context").any() and v("segment_ids").tolist() == [0] * R + [1] * 16
+    assert v("candidate_rows").tolist() == list(range(25, 32)) + list(range(39, 48))
+
+
+@needs_triton
 def test_pre_infer_chunks_go_through_few_padded_buckets_exactly(monkeypatch):
     """A chunked pre-infer (chunks of 32 tokens, the last one short) runs through the padded static forward in
     buckets without candidate rows, one per chunk size and power of two of the cached prefix; the K/V it stores
@@ -117,8 +140,8 @@ def test_pre_infer_chunks_go_through_few_padded_buckets_exactly(monkeypatch):
     engine = _interpreted_engine(model, max_graphs=16)
     served = []
     real = GraphRunner.run
-    monkeypatch.setattr(GraphRunner, "run", lambda self, jobs, batch: (served.append(
-        batch.num_candidate_rows), real(self, jobs, batch))[-1])
+    monkeypatch.setattr(GraphRunner, "run", lambda self, jobs, parts: (served.append(
+        sum(0 if c is None else c.numel() for _, _, c, _ in parts)), real(self, jobs, parts))[-1])
     h, c = history(100, seed=8), candidates(5)
     for end in (32, 64, 96, 100):
         t = engine.prefill_prefix(1, h.prefix(end))

@@ -109,11 +109,11 @@ def _device_rows(h: Behaviors, start: int, c, t_c, dev: torch.device, items: lis
             times.append(ts.new_full((C,), t_c))
 
 
-def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
-    """The row tables of a batch built on the host (numpy, no tensor op) and moved to ``dev`` in one copy.
-
-    ``tokens`` (each user's history length ``T``) may be None: the positions are then not made.
-    """
+def structure_arrays(starts, rows, ncand, nctx, tokens) -> dict[str, np.ndarray]:
+    """The row tables of segments of ``rows`` rows each (the last ``ncand`` candidates, the first ``nctx``
+    contextual, starting at history token ``starts``), as numpy arrays: ``is_candidate``, ``is_context``,
+    ``is_behavior``, ``segment_ids``, ``candidate_rows``, ``cu_seqlens``, ``num_candidates`` and, unless ``tokens``
+    (each segment's history length ``T``) is None, ``positions``."""
     B = len(rows)
     m, C, U, P = np.array([rows, ncand, nctx, starts], np.int64).reshape(4, B)       # one copy
     R = int(m.sum())
@@ -128,12 +128,102 @@ def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
     if tokens is not None:
         T = np.asarray(tokens, np.int64).reshape(B)
         host["positions"] = np.minimum(P[seg] + local, T[seg])           # candidates all at T
+    return host
+
+
+def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:
+    """:func:`structure_arrays` moved to ``dev`` in one copy, with the batch's host layout."""
+    host = structure_arrays(starts, rows, ncand, nctx, tokens)
     names = list(host)
     moved = ship([torch.from_numpy(host[n]) for n in names], dev)
     out = dict(zip(names, moved))
     out.update(start=tuple(map(int, starts)), rows=tuple(map(int, rows)), candidates_per_user=tuple(map(int, ncand)),
-               has_prefix=bool(P.any()))
+               has_prefix=any(starts))
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class RequestRows:
+    """The rows of ``(history, start, candidates, request_time)`` parts, one per user, not yet joined
+    (:func:`gather_rows`): each user's pieces and segment sizes.
+
+    Attributes
+    ----------
+    items, actions, times : lists of pieces
+        The row fields' pieces in row order (numpy arrays built on the host, tensors on a device); ``actions`` and
+        ``times`` None when the histories have no action ids or timestamps.
+    starts, rows, candidates, context, tokens : tuples of int, one per user
+        Cached history tokens, rows, candidate rows, contextual rows, history length ``T``.
+    device : torch.device
+        Where the pieces are.
+    """
+
+    items: list
+    actions: Optional[list]
+    times: Optional[list]
+    starts: tuple
+    rows: tuple
+    candidates: tuple
+    context: tuple
+    tokens: tuple
+    device: torch.device
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def num_candidate_rows(self) -> int:
+        return sum(self.candidates)
+
+
+def build_device(parts: Sequence[tuple], target: torch.device) -> torch.device:
+    """Where a batch of ``parts`` is built: the host when every part is there (then moved in one copy), else
+    ``target``."""
+    host = all(p[0].device.type == "cpu" and (p[2] is None or p[2].device.type == "cpu")
+               for p in parts if isinstance(p[0], Behaviors) and isinstance(p[2], (torch.Tensor, type(None))))
+    return torch.device("cpu") if host else target
+
+
+def gather_rows(parts: Sequence[tuple], dev: torch.device) -> RequestRows:
+    """The checked rows of ``parts`` (``(history, start, candidates, request_time)``, at least one) on ``dev``.
+
+    Raises
+    ------
+    ValueError
+        A part whose history is not a :class:`Behaviors`, has timestamps or action ids unlike the first, whose
+        ``start`` is not in ``[0, T]``, or whose candidates are not a 1-D int64 tensor on ``dev`` or the host.
+    """
+    h0 = parts[0][0]
+    timed, acted = h0.timestamps is not None, h0.action_ids is not None
+    items, actions, times = [], [], []
+    starts, rows, ncand, nctx, tokens = [], [], [], [], []
+    for i, (h, start, c, t_req) in enumerate(parts):
+        if not isinstance(h, Behaviors):
+            raise ValueError(f"parts[{i}] history must be a Behaviors, got {type(h).__name__}")
+        if (h.timestamps is not None) != timed or (h.action_ids is not None) != acted:
+            raise ValueError(f"parts[{i}] must have timestamps and action ids like parts[0] "
+                             f"(timestamps={timed}, action_ids={acted})")
+        U, T = h.num_context_tokens, h.num_tokens
+        if not (isinstance(start, int) and 0 <= start <= T):
+            raise ValueError(f"parts[{i}] start must be an integer in [0, {T}], got {start!r}")
+        if c is not None and (not isinstance(c, torch.Tensor) or c.dim() != 1 or c.dtype != torch.long
+                              or not _on(c, dev)):
+            got = f"{tuple(c.shape)} {c.dtype} on {c.device}" if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev} or the cpu, got {got}")
+        C = 0 if c is None else c.numel()
+        t_c = request_time_of(h, t_req) if timed and C else None  # before a move: read on the host
+        if dev.type == "cpu":
+            _host_rows(h, start, c, t_c, items, actions, times)
+        else:
+            _device_rows(h, start, c, t_c, dev, items, actions, times)
+        starts.append(start)
+        rows.append(T - start + C)
+        ncand.append(C)
+        nctx.append(max(0, U - start))
+        tokens.append(T)
+    return RequestRows(items, actions if acted else None, times if timed else None, tuple(starts), tuple(rows),
+                       tuple(ncand), tuple(nctx), tuple(tokens), dev)
 
 
 def _on(x: torch.Tensor, device: torch.device) -> bool:
@@ -275,9 +365,7 @@ class RelayBatch:
         if not isinstance(h0, Behaviors):
             raise ValueError(f"parts[0] history must be a Behaviors, got {type(h0).__name__}")
         target = h0.device if device is None else torch.device(device)
-        host = all(p[0].device.type == "cpu" and (p[2] is None or p[2].device.type == "cpu")
-                   for p in parts if isinstance(p[0], Behaviors) and isinstance(p[2], (torch.Tensor, type(None))))
-        batch = cls._build(parts, torch.device("cpu") if host else target)
+        batch = cls._build(gather_rows(parts, build_device(parts, target)))
         return batch if batch.device == target else batch._moved(target)
 
     def _moved(self, device: torch.device) -> "RelayBatch":
@@ -287,38 +375,11 @@ class RelayBatch:
         return dataclasses.replace(self, **dict(zip(names, moved)))
 
     @classmethod
-    def _build(cls, parts: Sequence[tuple], dev: torch.device) -> "RelayBatch":
-        h0 = parts[0][0]
-        timed, acted = h0.timestamps is not None, h0.action_ids is not None
-        items, actions, times = [], [], []
-        starts, rows, ncand, nctx, tokens = [], [], [], [], []
-        for i, (h, start, c, t_req) in enumerate(parts):
-            if not isinstance(h, Behaviors):
-                raise ValueError(f"parts[{i}] history must be a Behaviors, got {type(h).__name__}")
-            if (h.timestamps is not None) != timed or (h.action_ids is not None) != acted:
-                raise ValueError(f"parts[{i}] must have timestamps and action ids like parts[0] "
-                                 f"(timestamps={timed}, action_ids={acted})")
-            U, T = h.num_context_tokens, h.num_tokens
-            if not (isinstance(start, int) and 0 <= start <= T):
-                raise ValueError(f"parts[{i}] start must be an integer in [0, {T}], got {start!r}")
-            if c is not None and (not isinstance(c, torch.Tensor) or c.dim() != 1 or c.dtype != torch.long
-                                  or not _on(c, dev)):
-                got = f"{tuple(c.shape)} {c.dtype} on {c.device}" if isinstance(c, torch.Tensor) else type(c).__name__
-                raise ValueError(f"parts[{i}] candidates must be a 1-D int64 tensor on {dev} or the cpu, got {got}")
-            C = 0 if c is None else c.numel()
-            t_c = request_time_of(h, t_req) if timed and C else None  # before a move: read on the host
-            if dev.type == "cpu":
-                _host_rows(h, start, c, t_c, items, actions, times)
-            else:
-                _device_rows(h, start, c, t_c, dev, items, actions, times)
-            starts.append(start)
-            rows.append(T - start + C)
-            ncand.append(C)
-            nctx.append(max(0, U - start))
-            tokens.append(T)
-        join = _join if dev.type == "cpu" else _cat
-        return cls(item_ids=join(items), action_ids=join(actions) if acted else None,
-                   timestamps=join(times) if timed else None, **_structure(starts, rows, ncand, nctx, tokens, dev))
+    def _build(cls, r: RequestRows) -> "RelayBatch":
+        join = _join if r.device.type == "cpu" else _cat
+        return cls(item_ids=join(r.items), action_ids=None if r.actions is None else join(r.actions),
+                   timestamps=None if r.times is None else join(r.times),
+                   **_structure(r.starts, r.rows, r.candidates, r.context, r.tokens, r.device))
 
     def __post_init__(self) -> None:
         if self.candidate_rows is None:  # built field by field: derive the row tables from the host layout

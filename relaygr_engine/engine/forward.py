@@ -88,15 +88,10 @@ class ForwardRunner:
         cache, ps, dev = st.cache, st.page_size, st.cache.device
         parts = [(j.prep.history, j.start, j.candidates, j.prep.request_time) for j in jobs]
         if self.graphs is not None and self.graphs.serves(jobs):
-            host = all(j.prep.history.device.type == "cpu" and (j.candidates is None or j.candidates.device.type
-                                                                 == "cpu") for j in jobs)
-            batch = RelayBatch.from_requests(parts, device=torch.device("cpu") if host else dev)
-            out = self.graphs.run(jobs, batch)
+            out = self.graphs.run(jobs, parts)
             if out is not None:
                 return out
-            batch = batch if batch.device == dev else batch._moved(dev)
-        else:
-            batch = RelayBatch.from_requests(parts, device=dev)
+        batch = RelayBatch.from_requests(parts, device=dev)
         lay = page_layout(jobs, batch.rows, ps)
         host = [torch.from_numpy(a) for a in (lay.indptr, lay.indices, lay.last)]
         kv_indptr, kv_indices, kv_last = ship(host, dev)

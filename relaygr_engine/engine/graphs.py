@@ -9,11 +9,11 @@ shape bucket (:class:`GraphKey`) and every input is copied into the bucket's sta
 does with its padded batch buckets.
 
 Padding. After the batch's ``B`` users come empty users up to ``U`` (a power of two), then one padding user holding
-the extra rows: ``H_pad - H`` history rows and ``C_pad - C`` candidates, with no cached prefix, each a copy of the
-batch's last row (so every id stays one the model accepts). Padding rows attend only to themselves and the padding
-user's rows; their K/V are not stored; their scores are dropped. The attention kernel runs a fixed tile table (the
-bucket's most tiles, the spare ones empty) and splits each tile's keys as for the bucket's longest prefix and all its
-new history rows.
+the extra rows: ``H_pad - H`` history rows and ``C_pad - C`` candidates, with no cached prefix and no history
+tokens (every row at position 0), their items, actions and times copies of the batch's last row (so every id stays
+one the model accepts). Padding rows attend only to themselves and the padding user's rows; their K/V are not
+stored; their scores are dropped. The attention kernel runs a fixed tile table (the bucket's most tiles, the spare
+ones empty) and splits each tile's keys as for the bucket's longest prefix and all its new history rows.
 
 What a captured model may do. It runs on the batch's tensors (``item_ids``, ``positions``, ...,
 ``candidate_rows``, ``num_candidate_rows``): the host layout (``rows``, ``start``, ``candidates_per_user``) changes
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import itertools
 import logging
 import traceback
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ import torch
 from torch import nn
 
 from .._host import Arena
-from ..batch import RelayBatch
+from ..batch import RelayBatch, RequestRows, build_device, gather_rows, structure_arrays
 from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
 from ..kernels._common import cdiv, tile_arrays
@@ -98,9 +97,6 @@ class _HostLayout(tuple):
 
 
 _HIDDEN = _HostLayout()
-_ROW_FIELDS = ("item_ids", "action_ids", "timestamps", "positions", "is_candidate", "is_context", "is_behavior",
-               "segment_ids")
-_REPEAT_LAST = ("item_ids", "action_ids", "timestamps", "positions")  # padding rows copy the batch's last row
 
 
 @dataclass(eq=False)
@@ -149,22 +145,23 @@ class GraphRunner:
         ranked = [j.candidates is not None for j in jobs]
         return all(ranked) or (self.config.prefill and not any(ranked))
 
-    def run(self, jobs: list[Job], batch: RelayBatch) -> Optional[list]:
+    def run(self, jobs: list[Job], parts: list[tuple]) -> Optional[list]:
         """Each job's scores ``[C, num_tasks]`` (None for a pre-infer job) from a graph replay (or the bucket's
         first, eager, forward); None where this forward is not served here (graphs turned off after a failure):
-        the caller runs it eagerly. ``jobs`` are all rankings or all pre-infers (:meth:`serves`); ``batch`` is
-        their unpadded batch (on the host or the device)."""
+        the caller runs it eagerly. ``jobs`` are all rankings or all pre-infers (:meth:`serves`); ``parts`` are
+        their ``(history, start, candidates, request_time)`` (:meth:`RelayBatch.from_requests`)."""
         c = self.state.counters
         if self.disabled is not None:
             c.graph_eager += 1
             return None
-        key = self.key(jobs, batch)
+        rows = gather_rows(parts, build_device(parts, self.state.cache.device))
+        key = self.key(jobs, rows)
         b = self.buckets.get(key)
         if b is None:
             b = self._new_bucket(key)
         self.buckets.move_to_end(key)
-        self._fill(b, jobs, batch)
-        C = batch.num_candidate_rows
+        self._fill(b, jobs, rows)
+        C = rows.num_candidate_rows
         if b.graph is not None:
             b.graph.replay()
             scores = b.out[:C].clone()
@@ -180,14 +177,14 @@ class GraphRunner:
                 return None
             if self.capture:
                 self._capture(b)
-        return split_scores(scores, batch.candidates_per_user)
+        return split_scores(scores, rows.candidates)
 
-    def key(self, jobs: list[Job], batch: RelayBatch) -> GraphKey:
+    def key(self, jobs: list[Job], rows: RequestRows) -> GraphKey:
         """The bucket of a batch of ranking jobs."""
-        C = batch.num_candidate_rows
-        H = len(batch) - C
+        C = rows.num_candidate_rows
+        H = rows.num_rows - C
         longest = max(j.start for j in jobs)
-        return GraphKey(batch.timestamps is not None, batch.action_ids is not None,
+        return GraphKey(rows.times is not None, rows.actions is not None,
                         any(j.write_pages is not None and j.prep.num_tokens > j.start for j in jobs),
                         1 << (len(jobs) - 1).bit_length(), bucket(H), bucket(C),
                         0 if longest == 0 else 1 << (longest - 1).bit_length())
@@ -226,20 +223,22 @@ class GraphRunner:
         self.buckets[key] = b
         return b
 
-    def _fill(self, b: _Bucket, jobs: list[Job], batch: RelayBatch) -> None:
-        """Write ``batch``'s padded rows and host tables into ``b``'s buffers: numpy writes into one staging buffer,
-        one host-to-device copy (then a copy per row field of a batch built on the device)."""
+    def _fill(self, b: _Bucket, jobs: list[Job], rows: RequestRows) -> None:
+        """Write the padded rows of ``rows`` and the host tables into ``b``'s buffers: numpy writes into one staging
+        buffer, one host-to-device copy (then a copy per row field of rows built on the device)."""
         key, ps = b.key, self.state.page_size
-        C, R = batch.num_candidate_rows, len(batch)
+        C, R = rows.num_candidate_rows, rows.num_rows
         pad_hist, pad_cand = key.history_rows - (R - C), key.candidates - C
         empty = key.users - len(jobs)
-        seg_rows = [*batch.rows] + [0] * empty + [pad_hist + pad_cand]
-        seg_cand = [*batch.candidates_per_user] + [0] * empty + [pad_cand]
-        lay = page_layout(jobs, batch.rows, ps)
+        # after the users, empty users, then the padding user: no prefix, no history tokens (its rows at position 0)
+        seg_rows = [*rows.rows] + [0] * empty + [pad_hist + pad_cand]
+        seg_cand = [*rows.candidates] + [0] * empty + [pad_cand]
+        seg_ctx, seg_start, seg_tokens = ([*v] + [0] * (empty + 1) for v in (rows.context, rows.starts, rows.tokens))
+        lay = page_layout(jobs, rows.rows, ps)
         staging, arrays = b.arena.stage()
         out = dict(zip(b.names, arrays))
-        out["cu_seqlens"][:] = [0, *itertools.accumulate(seg_rows)]
-        out["num_candidates"][:] = seg_cand
+        for name, a in structure_arrays(seg_start, seg_rows, seg_cand, seg_ctx, seg_tokens).items():
+            out[name][...] = a
         n = lay.indptr[-1]
         out["kv_indptr"][:len(jobs) + 1], out["kv_indptr"][len(jobs) + 1:] = lay.indptr, n
         out["kv_indices"][:n], out["kv_indices"][n:] = lay.indices, 0
@@ -247,35 +246,25 @@ class GraphRunner:
         slots = out["slots"]
         slots[:] = -1
         slots[lay.write_rows] = lay.write_pages * ps + lay.write_slots
-        cand = out["candidate_rows"]
-        c0 = 0
-        for end, C_b in zip(itertools.accumulate(seg_rows), seg_cand):  # each user's last rows, the padding's too
-            cand[c0:c0 + C_b] = np.arange(end - C_b, end)
-            c0 += C_b
         tile_arrays(seg_rows, seg_cand, b.block_m, b.num_tiles, out=(out["hist_tiles"], out["cand_tiles"]))
         if "ts_rows" in out:
             written = np.flatnonzero(slots >= 0)
             out["ts_rows"][:] = np.resize(written, len(slots))  # repeats of real writes: the same values again
             out["ts_flat"][:] = slots[out["ts_rows"]]
-        out["is_candidate"][R:R + pad_hist], out["is_candidate"][R + pad_hist:] = False, True  # the padding user
-        out["is_behavior"][R:R + pad_hist], out["is_behavior"][R + pad_hist:] = True, False
-        out["is_context"][R:] = False
-        out["segment_ids"][R:] = key.users
-        device_rows, on_host = [], batch.device.type == "cpu"
-        for name in _ROW_FIELDS:
-            t = getattr(batch, name)
-            if t is None:
+        device_rows = []
+        for name, pieces in (("item_ids", rows.items), ("action_ids", rows.actions), ("timestamps", rows.times)):
+            if pieces is None:
                 continue
-            if not on_host:
-                device_rows.append((b.view(name), t, name in _REPEAT_LAST))
+            if rows.device.type != "cpu":
+                device_rows.append((b.view(name), torch.cat(pieces) if len(pieces) > 1 else pieces[0]))
                 continue
-            out[name][:R] = t.numpy()
-            if name in _REPEAT_LAST:
-                out[name][R:] = out[name][R - 1]
+            a = out[name]
+            np.concatenate(pieces, out=a[:R])
+            a[R:] = a[R - 1]  # the padding rows: copies of the last row (ids the model accepts)
         b.arena.load(staging)
-        for view, t, repeat in device_rows:  # after the staged copy, on the same stream
+        for view, t in device_rows:  # after the staged copy, on the same stream
             view[:R].copy_(t)
-            if repeat and R < view.numel():
+            if R < view.numel():
                 view[R:].copy_(t[-1:].expand(view.numel() - R))
 
     # ------------------------------------------------------------------------------------------ forward
