@@ -160,3 +160,21 @@ def test_python_pool_compacts_released_lease_records():
     assert len(pool._heap) <= 64
     pool.check_invariants()
     assert pool.has_lease(3, 1, now=30_004.0) and not pool.has_lease(3, 1, now=30_005.0)
+
+
+def test_engine_leases_find_ended_ones_in_end_order_and_stay_bounded():
+    from relaygr_engine.engine.tiers import Leases
+
+    leases = Leases()
+    leases[(1, 10)], leases[(2, 20)], leases[(3, 30)] = 5.0, 3.0, 9.0
+    leases[(1, 10)] = 8.0                                    # renewed: its old end no longer counts
+    assert leases.pop((3, 30)) == 9.0 and (3, 30) not in leases
+    assert leases.due(4.0) == [(2, 20)] and leases.due(7.9) == [] and len(leases) == 1
+    leases[(4, 40)] = 8.0
+    assert leases.due(100.0) == [(1, 10), (4, 40)] and len(leases) == 0 and leases.due(1e9) == []
+    for i in range(20_000):                                 # tickets presented before their lease ends
+        leases[(i % 8, i)] = 1e9 + i
+        leases.pop((i % 8, i))
+    leases[(9, 9)] = 50.0
+    assert len(leases._heap) <= 2 * len(leases) + 64 + 1
+    assert leases.due(49.0) == [] and leases.due(50.0) == [(9, 9)]

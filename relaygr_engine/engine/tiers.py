@@ -3,6 +3,8 @@ reload."""
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,10 +19,53 @@ from ..onload import LayerOnload
 from ..tiers import DramEntry, HostKVTier, ReloadCostModel
 from .records import EngineCounters, Key
 
-__all__ = ["CacheState"]
+__all__ = ["CacheState", "Leases"]
 
 _log = logging.getLogger("relaygr_engine")
 _TRANSFER_ERRORS = (RuntimeError, MemoryError)  # a failed copy or allocation (torch's out-of-memory included)
+
+
+class Leases:
+    """Admitted entries -> lease end, with the ends in a heap: :meth:`due` finds the ended leases in time
+    logarithmic in the leases held, not a scan of them all on every engine call.
+
+    A mapping of ``Key -> float`` (set, ``pop``, ``get``, ``in``, ``len``); a renewed or popped lease leaves its old
+    heap record behind, skipped when it comes due, and the heap is rebuilt once it holds twice the live leases.
+    """
+
+    def __init__(self) -> None:
+        self._end: dict = {}
+        self._heap: list = []  # (end, order, key) records, some stale
+        self._order = itertools.count()
+
+    def __setitem__(self, key: Key, end: float) -> None:
+        self._end[key] = end
+        heapq.heappush(self._heap, (end, next(self._order), key))
+        if len(self._heap) > 2 * len(self._end) + 64:
+            self._heap = [(e, next(self._order), k) for k, e in self._end.items()]
+            heapq.heapify(self._heap)
+
+    def pop(self, key: Key, default=None):
+        return self._end.pop(key, default)
+
+    def get(self, key: Key, default=None):
+        return self._end.get(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self._end
+
+    def __len__(self) -> int:
+        return len(self._end)
+
+    def due(self, t: float) -> list:
+        """Remove and return the keys whose lease ended by ``t`` (earliest end first)."""
+        out = []
+        while self._heap and self._heap[0][0] <= t:
+            end, _, key = heapq.heappop(self._heap)
+            if self._end.get(key) == end:
+                del self._end[key]
+                out.append(key)
+        return out
 
 
 @dataclass(eq=False)
@@ -29,7 +74,7 @@ class CacheState:
 
     Attributes
     ----------
-    leased : dict
+    leased : Leases
         Admitted entries -> lease end, so that an entry whose lease ends unused is spilled to DRAM in time.
     onload : LayerOnload or None
         Layer-wise copies of rankings' DRAM hits (``config.layered_onload`` with a DRAM tier), else None.
@@ -40,7 +85,7 @@ class CacheState:
     dram: Optional[HostKVTier]
     expander: ReloadCostModel = field(default_factory=ReloadCostModel)
     counters: EngineCounters = field(default_factory=EngineCounters)
-    leased: dict = field(default_factory=dict)
+    leased: Leases = field(default_factory=Leases)
     onload: Optional[LayerOnload] = None
 
     @classmethod
@@ -143,10 +188,8 @@ class CacheState:
 
     def spill_expired(self, t: float) -> None:
         """Spill entries whose pre-infer lease has ended unused (before any insert could evict them)."""
-        for key, end in list(self.leased.items()):
-            if end <= t:
-                del self.leased[key]
-                self.spill_if_evictable(key, t)
+        for key in self.leased.due(t):
+            self.spill_if_evictable(key, t)
 
     def onload_scope(self):
         """The scope of a ranking forward that may read layer-wise reloads (:meth:`LayerOnload.forward`)."""
