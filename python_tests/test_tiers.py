@@ -35,6 +35,25 @@ def test_replacing_a_key_does_not_double_count():
     assert tier.discard(1, 1) and not tier.discard(1, 1) and tier.used_bytes == 0
 
 
+def test_entries_of_a_user_follow_puts_lookups_evictions_and_discards():
+    """A user's entries, least recently used first, through every change of the tier (kept per user: a lookup does
+    not walk the other users' entries)."""
+    one = _entry(0, 0, 8).nbytes
+    tier = HostKVTier(capacity_bytes=5 * one)
+    for fp in (1, 2, 3):
+        assert tier.put(_entry(7, fp, 8))
+    assert tier.put(_entry(8, 1, 8)) and tier.put(_entry(8, 2, 8))
+    assert tier.entries_of(7) == [(1, 8), (2, 8), (3, 8)] and tier.entries_of(9) == []
+    assert tier.get(7, 1) is not None                         # now the user's most recent
+    assert tier.entries_of(7) == [(2, 8), (3, 8), (1, 8)]
+    assert tier.put(_entry(9, 1, 8))                          # evicts the tier's oldest: (7, 2)
+    assert tier.entries_of(7) == [(3, 8), (1, 8)] and tier.entries_of(9) == [(1, 8)]
+    assert tier.put(_entry(7, 3, 4))                          # replaced: fewer tokens, most recent
+    assert tier.entries_of(7) == [(1, 8), (3, 4)]
+    assert tier.discard(8, 1) and tier.discard(8, 2) and tier.entries_of(8) == []
+    assert 8 not in tier._by_user and sorted(tier._by_user) == [7, 9]
+
+
 def test_entry_larger_than_budget_is_refused():
     tier = HostKVTier(capacity_bytes=100)
     assert not tier.put(_entry(1, 1, 64))

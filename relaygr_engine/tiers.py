@@ -71,6 +71,7 @@ class HostKVTier:
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[int, int], DramEntry] = OrderedDict()  # oldest first
+        self._by_user: dict[int, dict[int, int]] = {}  # user -> fingerprint -> tokens, in the same order
         self._bytes = 0
         self._c = dict(dram_puts=0, dram_put_refused=0, dram_evictions=0, dram_lookups=0, dram_lookup_hits=0,
                        dram_bytes_in=0)
@@ -104,14 +105,12 @@ class HostKVTier:
             if size > self.capacity_bytes:
                 self._c["dram_put_refused"] += 1
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+            self._remove(key)
             while self._bytes + size > self.capacity_bytes:
-                _, victim = self._entries.popitem(last=False)
-                self._bytes -= victim.nbytes
+                self._remove(next(iter(self._entries)))
                 self._c["dram_evictions"] += 1
             self._entries[key] = entry
+            self._by_user.setdefault(entry.user_id, {})[entry.fingerprint] = entry.num_tokens
             self._bytes += size
             self._c["dram_puts"] += 1
             self._c["dram_bytes_in"] += size
@@ -124,21 +123,32 @@ class HostKVTier:
             e = self._entries.get((user_id, fingerprint))
             if e is not None:
                 self._entries.move_to_end((user_id, fingerprint))
+                mine = self._by_user[user_id]
+                mine[fingerprint] = mine.pop(fingerprint)
                 self._c["dram_lookup_hits"] += 1
             return e
 
     def entries_of(self, user_id: int) -> list[tuple[int, int]]:
-        """``[(fingerprint, num_tokens), ...]`` of a user's DRAM entries."""
+        """``[(fingerprint, num_tokens), ...]`` of a user's DRAM entries, least recently used first (a lookup of
+        that user's entries only)."""
         with self._lock:
-            return [(f, e.num_tokens) for (u, f), e in self._entries.items() if u == user_id]
+            return list(self._by_user.get(user_id, {}).items())
 
     def discard(self, user_id: int, fingerprint: int) -> bool:
         """Drop an entry if present; True if it was there."""
         with self._lock:
-            e = self._entries.pop((user_id, fingerprint), None)
-            if e is not None:
-                self._bytes -= e.nbytes
-            return e is not None
+            return self._remove((user_id, fingerprint)) is not None
+
+    def _remove(self, key: tuple[int, int]) -> Optional[DramEntry]:
+        """Drop ``key``'s entry from both indexes (under the lock); the entry, or None."""
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._bytes -= e.nbytes
+            mine = self._by_user[key[0]]
+            del mine[key[1]]
+            if not mine:
+                del self._by_user[key[0]]
+        return e
 
     def stats(self) -> dict[str, int]:
         with self._lock:
