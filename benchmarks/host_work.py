@@ -1,7 +1,7 @@
 """The engine's host work in one CUDA-graph cached ranking, the graph's replay stubbed out (any machine).
 
-A graphed ranking's latency is its host work (the request's checks, the prefix lookup and pin, the batch, the page
-table, the graph buffers' fill and their host-to-device copy), then the graph launch and the GPU work. This times the
+A graphed ranking's latency is its host work (the request's checks, the prefix lookup and pin, the request rows, the
+page table, the graph buffers' fill and their host-to-device copy), then the graph launch and the GPU work. This times the
 first part alone, on the CPU or on CUDA: the engine's graph runner serves every ranking from a stand-in graph whose
 replay does nothing (its scores are zeros), so what is timed is everything the engine does around a replay.
 
