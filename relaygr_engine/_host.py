@@ -84,7 +84,7 @@ def _stage(tensors, offsets, total: int, device: torch.device) -> torch.Tensor:
         if t is None or not t.numel():
             continue
         dtype = _NUMPY.get(t.dtype)
-        if dtype is None:
+        if dtype is None or t.device.type != "cpu":  # (no numpy twin; or not host memory, against the contract)
             _view(staging, o, t.dtype, t.shape).copy_(t)
         else:
             np.ndarray(t.shape, dtype, raw, o)[...] = (t.detach() if t.requires_grad else t).numpy()
