@@ -1,9 +1,10 @@
 """The engine's host work in one CUDA-graph cached ranking, the graph's replay stubbed out (any machine).
 
-A graphed ranking's latency is its host work (the request's checks, the prefix lookup and pin, the request rows, the
-page table, the graph buffers' fill and their host-to-device copy), then the graph launch and the GPU work. This times the
-first part alone, on the CPU or on CUDA: the engine's graph runner serves every ranking from a stand-in graph whose
-replay does nothing (its scores are zeros), so what is timed is everything the engine does around a replay.
+A graphed ranking's latency is its host work (the request's checks, the prefix lookup and pin, the request rows,
+the page table, the graph buffers' fill and their host-to-device copy), then the graph launch and the GPU work. This
+times the first part alone, on the CPU or on CUDA: the engine's graph runner serves every ranking from a stand-in
+graph whose replay does nothing (its scores are zeros), so what is timed is everything the engine does around a
+replay.
 
 Model: NVIDIA's public HSTU inference shape (``--model``; its size matters only through the weights the engine's
 identity check walks); a history of ``--history`` tokens of which ``--new`` are new (the rest pre-inferred), and
@@ -42,8 +43,8 @@ class StubGraphs(GraphRunner):
 
 
 def engine_for(args, device: torch.device) -> rg.RelayEngine:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = shape_of(args.model, dtype="bfloat16" if device.type == "cuda" else "float32")
+    name = "bfloat16" if device.type == "cuda" else "float32"
+    dtype, shape = getattr(torch, name), shape_of(args.model, dtype=name)
     cfg = shape.config(attention="hstu", num_items=100_000, num_actions=4, max_seq_len=args.history, num_tasks=2)
     model = rg.build_ranker(cfg, seed=0, device=device)
     pages = len(args.seeds) * -(-args.history // 64) + 8

@@ -29,7 +29,7 @@ class Leases:
     """Admitted entries -> lease end, with the ends in a heap: :meth:`due` finds the ended leases in time
     logarithmic in the leases held, not a scan of them all on every engine call.
 
-    A mapping of ``Key -> float`` (set, ``pop``, ``get``, ``in``, ``len``); a renewed or popped lease leaves its old
+    A mapping of ``Key -> float`` (set, ``pop``, ``in``, ``len``); a renewed or popped lease leaves its old
     heap record behind, skipped when it comes due, and the heap is rebuilt once it holds twice the live leases.
     """
 
@@ -47,9 +47,6 @@ class Leases:
 
     def pop(self, key: Key, default=None):
         return self._end.pop(key, default)
-
-    def get(self, key: Key, default=None):
-        return self._end.get(key, default)
 
     def __contains__(self, key) -> bool:
         return key in self._end
