@@ -268,6 +268,41 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
         assert paged[f"hopper_tma_copies_{at}{d}"] == got[f"hopper_tma_copies_{at}{d}"] * (4 if d < 256 else 2)
 
 
+_LAUNCH_CHECK = """
+import itertools, json
+from relaygr_engine.bench.ptxas_hopper import compile_hopper, compile_launch
+for d, page, kind in itertools.product((64, 128, 256), (64, 16), ("cand", "hist", "softmax")):
+    hstu, cand = kind != "softmax", kind != "hist"
+    kernel, grid = compile_launch(d, hstu=hstu, cand=cand, page_size=page, num_splits=3)
+    static = compile_hopper(d, hstu=hstu, cand=cand, page_size=page)
+    print(json.dumps(dict(d=d, page=page, kind=kind, grid=list(grid),
+                          same=kernel.asm["cubin"] == static.asm["cubin"])))
+"""
+
+
+def test_a_launch_compiles_exactly_what_the_static_report_describes():
+    """No GPU: ``_hopper_launch.launch``, called as a ranking's layer calls it (host tensors, a driver standing in
+    for sm_90 whose launches only compile), asks for a program per 64 rows, head and split, and compiles a binary
+    identical to the one ``bench ptxas --hopper`` reports on (``compile_hopper``), at each head dim, for 64- and
+    16-token pages, HSTU's candidate and history tiles and softmax's: the launch's arguments agree with the
+    kernel's signature and specialise as the report assumes. (In its own process, without the interpreter.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 18
+    for r in rows:
+        assert r["grid"] == [2 * 2 * 4 * 3], r  # 2 tiles of 128 rows (2 programs each) x 4 heads x 3 splits
+        assert r["same"], r
+
+
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
     """``sass._skippable``: instructions a predicated forward branch jumps over inside the loop body; not an
     unconditional one, nor one leaving the loop (a barrier wait's retry placed after it)."""

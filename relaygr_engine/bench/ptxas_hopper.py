@@ -6,10 +6,11 @@ with the loop's instructions per score (all, and its usual path: without what a 
 instructions with both biases over those with none (each HSTU tile kind's worst)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Optional
 
-__all__ = ["compile_hopper", "report", "main"]
+__all__ = ["compile_hopper", "compile_launch", "report", "main"]
 
 
 def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias: bool = True, dtype: str = "bf16",
@@ -40,6 +41,74 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
     values = dict(num_heads=heads, stride_qt=4 * heads * head_dim, stride_qh=head_dim, stride_tb=4096 + 16)
     return compile_kernel(H.hopper_kernel, types, constexprs, arch=arch, num_warps=4, values=values,
                           maxnreg=maxnreg, source=GluonASTSource)
+
+
+@contextlib.contextmanager
+def _compile_only(arch: int):
+    """Within: Triton's active driver stands in for an ``sm_<arch>`` GPU (device 0, stream 0, nothing else), and a
+    launch of the Hopper kernel compiles for it (Triton's ``warmup``) instead of launching. Yields the list that
+    collects each launch's ``(kernel, grid)``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from ..kernels import _hopper as H
+
+    class StandIn:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+    class CompileOnly:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: got.append((kernel.warmup(*args, grid=grid, **kwargs), grid))
+
+    got: list = []
+    # (the driver in use, None where none was chosen yet: reading ``driver.active`` would choose one, and raise
+    # on a machine without a GPU)
+    kernel, previous = H.hopper_kernel, getattr(driver, "_active", None)
+    driver.set_active(StandIn())
+    H.hopper_kernel = CompileOnly()
+    try:
+        yield got
+    finally:
+        H.hopper_kernel = kernel
+        driver._active = previous
+
+
+def compile_launch(head_dim: int, *, hstu: bool = True, cand: bool = True, bias: bool = True, page_size: int = 64,
+                   heads: int = 4, num_splits: int = 3, arch: int = 90):
+    """What a launch of the kernel compiles, with no GPU: :func:`~relaygr_engine.kernels._hopper_launch.launch` run
+    as a ranking's layer calls it (two tiles of 128 rows of one user over 62 full pages; the bias table's rows as
+    the launcher builds them) on host tensors, under a driver standing in for ``sm_<arch>`` whose launches only
+    compile. Returns ``(kernel, grid)``: the kernel to set beside :func:`compile_hopper`'s (the static report's) and
+    the grid the launch asked for."""
+    import torch
+
+    from ..kernels import _hopper_launch as HL
+    from ..kernels._bias_table import table_width
+
+    users, total_q, pages, block_m = 1, 512, 64, 128
+    q = torch.zeros(total_q, heads, head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(pages, 2, page_size, heads, head_dim, dtype=torch.bfloat16)
+    ws = torch.zeros(num_splits + 1, total_q, heads, head_dim, dtype=torch.bfloat16)
+    ml = ws if hstu else torch.zeros(num_splits + 1, total_q, heads, 2)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    tiles = i32(0, 0, 0, block_m).view(2, 2)  # (users, first rows): two tiles of one user
+    full = 62
+    rows = users if cand else 2 * block_m
+    table = torch.zeros(rows, table_width(full * page_size + total_q, 64)) if bias and hstu else None
+    with _compile_only(arch) as got:
+        HL.launch(q, ws, ml, kv, torch.arange(pages, dtype=torch.int32), i32(0, full), i32(page_size),
+                  i32(0, total_q), i32(256), tiles, block_m, cand, table, hstu=hstu, page_size=page_size,
+                  num_splits=num_splits, split_len=full * page_size // num_splits // 64 * 64 + 64, scale=0.0625,
+                  inv_norm=1 / 4096)
+    (kernel, grid), = got
+    return kernel, grid
 
 
 def report(arch: int = 90, head_dims=(64, 128, 256), smem_limit: int = 232448, page_size: int = 64) -> dict:
