@@ -47,6 +47,29 @@ def test_arena_stages_host_values_and_loads_them_in_one_copy():
     assert again.data_ptr() != staging.data_ptr()
 
 
+def test_row_tables_written_segment_by_segment_equal_the_whole_batch_ones():
+    """``structure_arrays(out=...)`` with few segments writes each segment's rows by slices; with many, or without
+    ``out``, it builds whole-batch arrays: every table equal, for random segments (empty ones, all-candidate ones,
+    contextual rows, long prefixes), with and without positions (the tables start filled with 7s: every entry is
+    written)."""
+    from relaygr_engine import batch as B
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 2 * B.FEW_SEGMENTS + 1))
+        rows = [int(x) for x in rng.integers(0, 40, n)]
+        ncand = [int(rng.integers(0, m + 1)) for m in rows]
+        nctx = [int(rng.integers(0, m - c + 1)) for m, c in zip(rows, ncand)]
+        starts = [int(x) for x in rng.integers(0, 70_000 if trial % 50 == 0 else 500, n)]
+        tokens = None if trial % 3 == 0 else [s + m - c for s, m, c in zip(starts, rows, ncand)]
+        whole = B.structure_arrays(starts, rows, ncand, nctx, tokens)
+        out = {name: np.full_like(a, 7) for name, a in whole.items()}
+        got = B.structure_arrays(starts, rows, ncand, nctx, tokens, out=out)
+        assert got is out and set(got) == set(whole)
+        for name, a in whole.items():
+            np.testing.assert_array_equal(got[name], a, err_msg=f"{name} (trial {trial}, {n} segments)")
+
+
 def test_staging_packs_tensors_of_any_dtype_at_their_offsets():
     ts = [torch.arange(3, dtype=torch.int32), None, torch.tensor([True, False]), torch.arange(6.0).view(2, 3).t(),
           torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.ones(2, requires_grad=True)]

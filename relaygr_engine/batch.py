@@ -109,12 +109,21 @@ def _device_rows(h: Behaviors, start: int, c, t_c, dev: torch.device, items: lis
             times.append(ts.new_full((C,), t_c))
 
 
-def structure_arrays(starts, rows, ncand, nctx, tokens) -> dict[str, np.ndarray]:
+# Up to this many segments structure_arrays(out=...) writes each segment's rows by slices (a few numpy calls per
+# segment); past it, whole-batch arrays and one copy each (fewer calls for many segments). Equal results, tested.
+FEW_SEGMENTS = 6
+_ROWS = np.arange(1 << 16, dtype=np.int64)  # row numbers to slice from (grown on demand)
+
+
+def structure_arrays(starts, rows, ncand, nctx, tokens, out: Optional[dict] = None) -> dict[str, np.ndarray]:
     """The row tables of segments of ``rows`` rows each (the last ``ncand`` candidates, the first ``nctx``
     contextual, starting at history token ``starts``), as numpy arrays: ``is_candidate``, ``is_context``,
     ``is_behavior``, ``segment_ids``, ``candidate_rows``, ``cu_seqlens``, ``num_candidates`` and, unless ``tokens``
-    (each segment's history length ``T``) is None, ``positions``."""
+    (each segment's history length ``T``) is None, ``positions``. ``out``: arrays of those names and sizes to write
+    them into (returned)."""
     B = len(rows)
+    if out is not None and B <= FEW_SEGMENTS:
+        return _write_segments(out, starts, rows, ncand, nctx, tokens)
     m, C, U, P = np.array([rows, ncand, nctx, starts], np.int64).reshape(4, B)       # one copy
     R = int(m.sum())
     seg = np.repeat(np.arange(B, dtype=np.int64), m)
@@ -128,7 +137,37 @@ def structure_arrays(starts, rows, ncand, nctx, tokens) -> dict[str, np.ndarray]
     if tokens is not None:
         T = np.asarray(tokens, np.int64).reshape(B)
         host["positions"] = np.minimum(P[seg] + local, T[seg])           # candidates all at T
-    return host
+    if out is None:
+        return host
+    for name, a in host.items():
+        out[name][...] = a
+    return out
+
+
+def _write_segments(out: dict, starts, rows, ncand, nctx, tokens) -> dict:
+    """:func:`structure_arrays` into ``out``, segment by segment."""
+    global _ROWS
+    cand, ctx, beh, seg = out["is_candidate"], out["is_context"], out["is_behavior"], out["segment_ids"]
+    cand_rows, cu, pos = out["candidate_rows"], out["cu_seqlens"], out.get("positions") if tokens is not None else None
+    most = max(sum(rows), max(starts) + max(rows)) if rows else 0
+    if most > len(_ROWS):
+        _ROWS = np.arange(1 << most.bit_length(), dtype=np.int64)
+    r = k = 0
+    cu[0] = 0
+    for b in range(len(rows)):
+        m, C, U = rows[b], ncand[b], nctx[b]
+        h = m - C  # its history rows (contextual first), then its candidates
+        cand[r:r + h], cand[r + h:r + m] = False, True
+        ctx[r:r + U], ctx[r + U:r + m] = True, False
+        beh[r:r + U], beh[r + U:r + h], beh[r + h:r + m] = False, True, False
+        seg[r:r + m] = b
+        cand_rows[k:k + C] = _ROWS[r + h:r + m]
+        if pos is not None:
+            np.minimum(_ROWS[starts[b]:starts[b] + m], tokens[b], out=pos[r:r + m])  # candidates all at T
+        r, k = r + m, k + C
+        cu[b + 1] = r
+    out["num_candidates"][...] = ncand
+    return out
 
 
 def _structure(starts, rows, ncand, nctx, tokens, dev: torch.device) -> dict:

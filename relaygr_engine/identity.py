@@ -27,7 +27,7 @@ class WeightsIdentity:
     def __init__(self, module: nn.Module, salt: bytes = b"") -> None:
         self._module, self._salt = module, salt
         self._slots: Optional[list] = None
-        self._key: Optional[tuple] = None
+        self._key: Optional[list] = None
         self._value = 0
 
     def invalidate(self) -> None:
@@ -39,7 +39,7 @@ class WeightsIdentity:
         if self._slots is None:  # where each tensor lives; its current tensor is re-read on every call
             self._slots = [(d, name) for m in self._module.modules() for d in (m._parameters, m._buffers)
                            for name in d if d[name] is not None]
-        key = tuple((id(t), t.data_ptr(), t._version) for t in (d[name] for d, name in self._slots))
+        key = [(id(t), t.data_ptr(), t._version) for d, name in self._slots for t in (d[name],)]
         if key != self._key:
             h = hashlib.blake2b(self._salt, digest_size=8)
             for name, t in self._module.state_dict(keep_vars=True).items():

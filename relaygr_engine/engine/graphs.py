@@ -237,8 +237,7 @@ class GraphRunner:
         lay = page_layout(jobs, rows.rows, ps)
         staging, arrays = b.arena.stage()
         out = dict(zip(b.names, arrays))
-        for name, a in structure_arrays(seg_start, seg_rows, seg_cand, seg_ctx, seg_tokens).items():
-            out[name][...] = a
+        structure_arrays(seg_start, seg_rows, seg_cand, seg_ctx, seg_tokens, out=out)
         n = lay.indptr[-1]
         out["kv_indptr"][:len(jobs) + 1], out["kv_indptr"][len(jobs) + 1:] = lay.indptr, n
         out["kv_indices"][:n], out["kv_indices"][n:] = lay.indices, 0
