@@ -43,8 +43,32 @@ def test_arena_stages_host_values_and_loads_them_in_one_copy():
     a.load(staging)
     assert a.views[0].tolist() == [0, 1, 2] and a.views[1].all() and a.views[2].tolist() == [[0, 1], [2, 3]]
     assert all(v.untyped_storage().data_ptr() == a.buffer.untyped_storage().data_ptr() for v in a.views)
-    again, arrays = a.stage()  # a fresh buffer: the last one may still be read by a pending copy
-    assert again.data_ptr() != staging.data_ptr()
+    again, arrays = a.stage()  # on the CPU the copy is done when load returns: the same buffer and views again
+    assert again is staging and arrays[0].tolist() == [0, 1, 2]
+    other, _ = a.stage()  # while one is out (written, not loaded): another
+    assert other.data_ptr() != staging.data_ptr()
+    held = [a.stage()[0] for _ in range(2 * Arena.KEEP)]  # many out at once: fresh ones past the kept
+    assert len({t.data_ptr() for t in held + [staging, other]}) == len(held) + 2 and len(a._kept) == Arena.KEEP
+    a.load(other)
+    assert a.stage()[0] is other
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a copy still pending on its stream)")
+def test_arena_hands_out_no_buffer_a_pending_copy_still_reads_cuda():
+    a = Arena([(torch.long, (1 << 16,))], torch.device("cuda"))
+    staging, arrays = a.stage()
+    arrays[0][:] = 1
+    torch.cuda._sleep(50_000_000)  # the stream busy for a while: the copy queued behind it stays pending
+    a.load(staging)
+    again, more = a.stage()
+    assert again.data_ptr() != staging.data_ptr()  # not the buffer the pending copy reads
+    more[0][:] = 2
+    torch.cuda.synchronize()
+    assert int(a.views[0].sum()) == 1 << 16  # the first copy read 1s, untouched by the later writes
+    a.load(again)
+    torch.cuda.synchronize()
+    assert a.stage()[0] is staging  # both copies done: the first kept buffer again
 
 
 def test_row_tables_written_segment_by_segment_equal_the_whole_batch_ones():

@@ -8,6 +8,7 @@ batch never waits for the device.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -95,14 +96,19 @@ class Arena:
     """Device tensors of fixed dtypes and shapes in one buffer, refilled from the host in one copy.
 
     The static inputs of a captured CUDA graph: the graph reads the views' addresses, each replay refills their
-    values: written with numpy into a fresh host buffer (:meth:`stage`), then one pinned, non-blocking
-    host-to-device copy (:meth:`load`; no wait for the device).
+    values: written with numpy into a host buffer laid out as the arena (:meth:`stage`), then one pinned,
+    non-blocking host-to-device copy (:meth:`load`; no wait for the device). The arena keeps up to :attr:`KEEP`
+    such buffers with their numpy views and hands one out again once its copy has completed (on CUDA an event
+    recorded after the copy says so; elsewhere the copy is done when :meth:`load` returns): a refill neither
+    allocates nor builds views, and never writes a buffer that a pending copy still reads.
 
     Parameters
     ----------
     specs : sequence of (dtype, shape)
     device : torch.device
     """
+
+    KEEP = 4  # host buffers kept for reuse (past them, buffers in flight at once are fresh ones, not kept)
 
     def __init__(self, specs: Sequence[tuple], device: torch.device) -> None:
         self.specs = [(dtype, tuple(shape)) for dtype, shape in specs]
@@ -111,23 +117,58 @@ class Arena:
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views = [_view(self.buffer, o, dtype, shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
         self._host_layout = [(o, _NUMPY[dtype], shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
+        self._kept: list[_Staging] = []
 
     def stage(self) -> tuple[torch.Tensor, list[np.ndarray]]:
-        """A fresh host buffer (:func:`_host_buffer`) laid out as the arena, and numpy views of its entries: write
-        the next values into the views, then :meth:`load` the buffer.
+        """A host buffer (:func:`_host_buffer`) laid out as the arena, and numpy views of its entries: write the
+        next values into the views, then :meth:`load` the buffer. It is a kept one whose last copy has completed,
+        else a new one.
 
         Returns
         -------
         staging : uint8 Tensor [nbytes] on the host
         arrays : list of numpy arrays
-            Entry ``i`` of ``staging``, of the arena's dtype and shape ``i`` (uninitialised).
+            Entry ``i`` of ``staging``, of the arena's dtype and shape ``i`` (their values: whatever is there).
         """
+        for kept in self._kept:
+            if kept.state == _COPYING and (kept.event is None or kept.event.query()):
+                kept.state = _FREE
+            if kept.state == _FREE:
+                kept.state = _OUT
+                return kept.buffer, kept.arrays
         staging = _host_buffer(self.nbytes, self.device)
         raw = staging.numpy()
-        return staging, [np.ndarray(shape, dtype, raw, offset) for offset, dtype, shape in self._host_layout]
+        arrays = [np.ndarray(shape, dtype, raw, offset) for offset, dtype, shape in self._host_layout]
+        if len(self._kept) < self.KEEP:
+            self._kept.append(_Staging(staging, arrays, _OUT))
+        return staging, arrays
 
     def load(self, staging: torch.Tensor) -> None:
         """Copy a buffer from :meth:`stage` into the arena: one non-blocking host-to-device copy (no wait for the
-        device; the caching host allocator keeps ``staging`` until the copy has read it)."""
+        device); a kept buffer is handed out again once the copy has read it."""
         assert staging.shape == self.buffer.shape and staging.device.type == "cpu", (staging.shape, self.nbytes)
-        self.buffer.copy_(staging, non_blocking=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        self.buffer.copy_(staging, non_blocking=cuda)
+        kept = next((k for k in self._kept if k.buffer is staging), None)
+        if kept is None:
+            return
+        if cuda:
+            if kept.event is None:
+                kept.event = torch.cuda.Event()
+            kept.event.record(torch.cuda.current_stream(self.device))
+        kept.state = _COPYING
+
+
+_OUT, _COPYING, _FREE = "out", "copying", "free"
+
+
+@dataclass(eq=False)
+class _Staging:
+    """A host buffer an :class:`Arena` keeps, its numpy views, and where it stands: handed out by
+    :meth:`Arena.stage` and not loaded yet (``_OUT``), loaded (``_COPYING``: free once ``event`` has completed,
+    at once without one), or ``_FREE``."""
+
+    buffer: torch.Tensor
+    arrays: list
+    state: str
+    event: Optional[object] = None
