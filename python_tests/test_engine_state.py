@@ -12,6 +12,32 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------------------------- cache state
+def test_token_keys_are_kind_id_action_time_rows_every_entry_written(monkeypatch):
+    """``Behaviors.token_keys``: ``(0, context id, -1, first behavior's time)`` per contextual token, then ``(1, item,
+    action or -1, time or 0)`` per behavior, with and without each optional field; built in uninitialised memory,
+    so it runs here with that memory full of a sentinel (an entry left unwritten would show)."""
+    import numpy as np
+
+    from relaygr_engine import behaviors
+
+    class Sentinel:  # numpy, except that empty arrays come filled with a value no key holds
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(shape, dtype=float):
+            return np.full(shape, -12345, dtype=dtype)
+
+    monkeypatch.setattr(behaviors, "np", Sentinel())
+    items, acts, times, ctx = torch.tensor([5, 6, 7]), torch.tensor([1, 0, 3]), torch.tensor([60, 70, 90]), \
+        torch.tensor([40, 41])
+    for a, t, c in [(a, t, c) for a in (None, acts) for t in (None, times) for c in (None, ctx)]:
+        keys = rg.Behaviors(items, a, t, c).token_keys()
+        want = [[0, int(x), -1, 0 if t is None else 60] for x in ([] if c is None else c)]
+        want += [[1, int(items[i]), -1 if a is None else int(a[i]), 0 if t is None else int(t[i])] for i in range(3)]
+        assert keys.dtype == np.int64 and keys.tolist() == want, (a, t, c)
+
+
 def test_stale_prefix_recomputes():
     model = make_model()
     engine = make_engine(model, extend_on_rank=False)

@@ -116,15 +116,13 @@ class Behaviors:
         """
         U, L = self.num_context_tokens, len(self)
         items, actions, times, context = self.arrays()
-        keys = np.zeros((U + L, 4), dtype=np.int64)
-        keys[U:, 0] = 1
-        keys[U:, 1] = items
-        keys[:, 2] = -1
-        if actions is not None:
-            keys[U:, 2] = actions
-        if U:
-            keys[:U, 1] = context
-        if times is not None:
+        keys = np.empty((U + L, 4), dtype=np.int64)  # (every entry written below)
+        keys[:U, 0], keys[U:, 0] = 0, 1
+        keys[:U, 1], keys[U:, 1] = (context if U else 0), items
+        keys[:U, 2], keys[U:, 2] = -1, (-1 if actions is None else actions)
+        if times is None:
+            keys[:, 3] = 0
+        else:
             keys[U:, 3] = times
             keys[:U, 3] = times[0]  # contextual tokens take the first behavior's time (token_timestamps)
         return keys
