@@ -166,7 +166,8 @@ _OUT, _COPYING, _FREE = "out", "copying", "free"
 class _Staging:
     """A host buffer an :class:`Arena` keeps, its numpy views, and where it stands: handed out by
     :meth:`Arena.stage` and not loaded yet (``_OUT``), loaded (``_COPYING``: free once ``event`` has completed,
-    at once without one), or ``_FREE``."""
+    at once without one), or ``_FREE``. One handed out and never loaded (its fill raised) stays out: the arena
+    then keeps one fewer to reuse."""
 
     buffer: torch.Tensor
     arrays: list

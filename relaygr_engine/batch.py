@@ -148,7 +148,7 @@ def _write_segments(out: dict, starts, rows, ncand, nctx, tokens) -> dict:
     """:func:`structure_arrays` into ``out``, segment by segment."""
     global _ROWS
     cand, ctx, beh, seg = out["is_candidate"], out["is_context"], out["is_behavior"], out["segment_ids"]
-    cand_rows, cu, pos = out["candidate_rows"], out["cu_seqlens"], out.get("positions") if tokens is not None else None
+    cand_rows, cu, pos = out["candidate_rows"], out["cu_seqlens"], out["positions"] if tokens is not None else None
     most = max(sum(rows), max(starts) + max(rows)) if rows else 0
     if most > len(_ROWS):
         _ROWS = np.arange(1 << most.bit_length(), dtype=np.int64)
