@@ -30,7 +30,7 @@ def test_fast_silu_form_is_exact_with_an_exact_tanh(monkeypatch):
     table, in the kernel's own bias terms and in a candidate's self term) gives the reference's result when its
     PTX tanh is swapped for an exact one: every bias path (table, in-kernel, split) agrees within 1e-4. A wrong tanh
     fails it, so the fast form is the one that ran."""
-    from relaygr_engine.kernels import _prefix_kernel as K, prefix_attention as pa
+    from relaygr_engine.kernels import _prefix_blocks as K, prefix_attention as pa
 
     monkeypatch.setattr(pa, "_fast_silu", lambda device, dtype: True)
     args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, 32, seed=5)
