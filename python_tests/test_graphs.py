@@ -179,6 +179,30 @@ def test_padding_rows_fill_a_bucket_as_a_user_of_their_own():
 
 
 @needs_triton
+def test_a_refill_writes_every_entry_whatever_its_reused_buffer_held():
+    """The bucket's staging buffers are reused: a ranking's refill writes every entry of every buffer view, so the
+    device buffers hold the same values whether the reused host buffer held the last ranking's values, zeros or
+    0xFF bytes, and the scores stay exact."""
+    model = make_model()
+    engine = _interpreted_engine(model)
+    h, c = history(45, seed=1), candidates(7, seed=4)
+    engine.prefill_prefix(1, h.prefix(20))
+    engine.rank_with_prefix(1, h, c)
+    b = next(b for k, b in engine.runner.graphs.buckets.items() if k.candidates)
+    clean = [v.clone() for v in b.arena.views]
+    for poison in (None, 0x00, 0xFF):
+        if poison is not None:
+            with torch.inference_mode():  # (the engine made them inside its inference mode)
+                for kept in b.arena._kept:
+                    kept.buffer.fill_(poison)
+        res = engine.rank_with_prefix(1, h, c)
+        assert res.cached_tokens == 20
+        assert_exact(res, model, h, c)
+        for name, v, want in zip(b.names, b.arena.views, clean):
+            assert torch.equal(v, want), (poison, name)
+
+
+@needs_triton
 def test_pre_infer_chunks_go_through_few_padded_buckets_exactly(monkeypatch):
     """A chunked pre-infer (chunks of 32 tokens, the last one short) runs through the padded static forward in
     buckets without candidate rows, one per chunk size and power of two of the cached prefix; the K/V it stores
