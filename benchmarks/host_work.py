@@ -11,11 +11,20 @@ identity check walks); a history of ``--history`` tokens of which ``--new`` are 
 ``--candidates`` candidates. Each seed draws its own history and candidates; the RESULT line gives the median over
 seeds of each seed's median time per ranking, and the spread (min, max) of those medians:
 
-    python benchmarks/host_work.py [--seeds 0,1,2] [--calls 300] [--device cpu|cuda]
+    python benchmarks/host_work.py [--seeds 0,1,2] [--calls 300] [--device cpu|cuda] [--phases]
+
+``--phases`` also prints where the time goes, microseconds per ranking (mean over every timed ranking) spent in each
+step of the engine's host work: the request's checks and token keys, the model identity, lookup and pin, gathering
+the rows, the page table, the row and tile tables, the rest of the buffers' fill and their copy, and what the
+forward's runner does around them. Each step is timed by a wrapper (about a microsecond each, so the total runs a
+little higher); the RESULT line is the same.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
 import time
 
 import torch
@@ -42,6 +51,55 @@ class StubGraphs(GraphRunner):
         return torch.zeros(b.key.candidates, self.tasks, device=self.state.cache.device)
 
 
+# (owner, attribute, phase): the steps --phases times, wrapped where the engine calls them
+PHASES = [("engine.core.RelayEngine", "_prepare", "request checks and token keys"),
+          ("identity.WeightsIdentity", "value", "model identity"),
+          ("engine.rank.RankPlanner", "job", "lookup and pin"),
+          ("engine.graphs", "gather_rows", "request rows"),
+          ("engine.graphs", "page_layout", "page table"),
+          ("engine.graphs", "structure_arrays", "row tables"),
+          ("engine.graphs", "tile_arrays", "tile tables"),
+          ("engine.graphs.GraphRunner", "_fill", "buffers' fill and copy (all of it)"),
+          ("engine.graphs.GraphRunner", "run", "graph runner (all of it)"),
+          ("engine.core.RelayEngine", "rank_with_prefix_batch", "ranking (all of it)")]
+
+
+@contextlib.contextmanager
+def timed_phases():
+    """Within: each of :data:`PHASES` wrapped by a timer; yields the dict of seconds spent in each (by phase)."""
+    import importlib
+
+    spent: collections.Counter = collections.Counter()
+    undo = []
+    for where, attr, phase in PHASES:
+        path = where.split(".")
+        mod = importlib.import_module("relaygr_engine." + ".".join(p for p in path if p[0].islower()))
+        owner = functools.reduce(getattr, [p for p in path if p[0].isupper()], mod)
+        real = owner.__dict__[attr]
+        if isinstance(real, property):
+            new = property(_timer(real.fget, phase, spent))
+        else:
+            new = _timer(real, phase, spent)
+        setattr(owner, attr, new)
+        undo.append((owner, attr, real))
+    try:
+        yield spent
+    finally:
+        for owner, attr, real in reversed(undo):
+            setattr(owner, attr, real)
+
+
+def _timer(fn, phase: str, spent: collections.Counter):
+    @functools.wraps(fn)
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[phase] += time.perf_counter() - t0
+    return timed
+
+
 def engine_for(args, device: torch.device) -> rg.RelayEngine:
     name = "bfloat16" if device.type == "cuda" else "float32"
     dtype, shape = getattr(torch, name), shape_of(args.model, dtype=name)
@@ -58,22 +116,28 @@ def engine_for(args, device: torch.device) -> rg.RelayEngine:
     return engine
 
 
-def time_seed(engine: rg.RelayEngine, seed: int, args, device: torch.device) -> list[float]:
-    """Microseconds of host work per ranking, ``args.calls`` warmed-up rankings of one user."""
-    h = synthetic_history(args.history, 100_000, seed=seed)
+def request(seed: int, args) -> tuple:
+    """Seed ``seed``'s user, history and candidates."""
     g = torch.Generator().manual_seed(seed)
-    c = torch.randint(0, 100_000, (args.candidates,), generator=g)
-    user = 1000 + seed
-    assert engine.prefill_prefix(user, h.prefix(args.history - args.new)).admitted
+    return 1000 + seed, synthetic_history(args.history, 100_000, seed=seed), \
+        torch.randint(0, 100_000, (args.candidates,), generator=g)
+
+
+def time_seed(engine: rg.RelayEngine, seed: int, args, device: torch.device, warm: int = 20) -> list[float]:
+    """Microseconds of host work per ranking, ``args.calls`` rankings of one user after ``warm`` more (its prefix
+    pre-inferred first unless ``warm`` is 0: then it must be cached already)."""
+    user, h, c = request(seed, args)
+    if warm:
+        assert engine.prefill_prefix(user, h.prefix(args.history - args.new)).admitted
     times = []
-    for i in range(args.calls + 20):
+    for i in range(args.calls + warm):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         r = engine.rank_with_prefix(user, h, c)
         dt = time.perf_counter() - t0
         assert r.source == "hbm" and r.cached_tokens == args.history - args.new, (r.source, r.cached_tokens)
-        if i >= 20:
+        if i >= warm:
             times.append(dt * 1e6)
     return times
 
@@ -87,6 +151,7 @@ def main(argv=None) -> None:
     p.add_argument("--history", type=int, default=4096)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--phases", action="store_true", help="also print the time of each step (see the module doc)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -97,8 +162,14 @@ def main(argv=None) -> None:
         medians.append(percentile(times, 50))
         print(f"seed {seed}: median {medians[-1]:.1f} us per ranking (p10 {percentile(times, 10):.1f}, "
               f"p90 {percentile(times, 90):.1f}; {args.calls} rankings)")
+    if args.phases:  # (after the timed seeds, whose figures are without the wrappers: the same rankings again)
+        with timed_phases() as spent:
+            n = sum(len(time_seed(engine, seed, args, device, warm=0)) for seed in args.seeds)
+        for _, _, phase in PHASES:
+            print(f"phase {phase}: {spent[phase] / n * 1e6:.1f} us per ranking")
     s = engine.stats()
-    assert len(engine.runner.graphs.buckets) == 1 and s["graph_replays"] == len(args.seeds) * (args.calls + 20) - 1, s
+    replays = len(args.seeds) * (args.calls + 20 + (args.calls if args.phases else 0)) - 1  # (the first one eager)
+    assert len(engine.runner.graphs.buckets) == 1 and s["graph_replays"] == replays, s
     tag = f"L{args.history}_C{args.candidates}"
     print(f"RESULT host_us_{tag}={percentile(medians, 50):.1f} host_us_min_{tag}={min(medians):.1f} "
           f"host_us_max_{tag}={max(medians):.1f} seeds={len(args.seeds)} new_rows={args.new} model={args.model} "

@@ -293,10 +293,18 @@ def test_host_work_benchmark_replays_a_stand_in_graph(capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["--seeds", "0,1", "--calls", "3", "--device", "cpu", "--model", "small", "--history", "200",
-                 "--new", "20", "--candidates", "8"])  # (it asserts the replay count)
+                 "--new", "20", "--candidates", "8", "--phases"])  # (it asserts the replay count)
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out[:2]] == ["seed 0", "seed 1"]
     assert out[-1].startswith("RESULT host_us_L200_C8=") and "seeds=2 new_rows=20 model=small device=cpu" in out[-1]
+    phases = {line[6:].split(":")[0]: float(line.split(": ")[1].split()[0]) for line in out if line.startswith("phase")}
+    assert list(phases) == [phase for _, _, phase in module.PHASES]  # every step timed: each wrapper was reached
+    assert all(v > 0 for v in phases.values())
+    whole = [phases[f"{step} (all of it)"] for step in ("ranking", "graph runner", "buffers' fill and copy")]
+    assert whole == sorted(whole, reverse=True)  # each part within the one before
+    from relaygr_engine.engine import graphs
+    assert graphs.GraphRunner.__dict__["_fill"].__name__ == "_fill" and not hasattr(graphs.GraphRunner._fill,
+                                                                                     "__wrapped__")  # unwrapped after
 
 
 @gpu
