@@ -15,9 +15,9 @@ seeds of each seed's median time per ranking, and the spread (min, max) of those
 
 ``--phases`` also prints where the time goes, microseconds per ranking (mean over every timed ranking) spent in each
 step of the engine's host work: the request's checks and token keys, the model identity, lookup and pin, gathering
-the rows, the page table, the row and tile tables, the rest of the buffers' fill and their copy, and what the
-forward's runner does around them. Each step is timed by a wrapper (about a microsecond each, so the total runs a
-little higher); the RESULT line is the same.
+the rows, the page table, the row and tile tables; then, as wholes holding some of those, the buffers' fill and
+copy, the graph runner and the ranking call. Each step is timed by a wrapper (about a microsecond each, so the
+wholes run a little higher than the RESULT line, which is timed without them).
 """
 from __future__ import annotations
 
