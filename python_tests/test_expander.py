@@ -71,6 +71,25 @@ def test_evicted_prefix_comes_back_from_dram_exactly(model):
     assert_exact(res, model, longer)
 
 
+def test_a_ranking_compares_only_dram_entries_longer_than_its_device_match(model, monkeypatch):
+    """With the prefix on the device and its copy in DRAM (as long), a ranking compares the request's tokens with
+    the device entry only: a DRAM entry can share at most its own length, so no shorter or equal one can beat the
+    device match (with no device match every DRAM entry is compared: the DRAM-hit tests above)."""
+    from relaygr_engine.engine import index
+
+    engine = engine_for(model)
+    h = history(40, seed=3)
+    relay(engine, 1, h.prefix(32), now=0.0)  # on the device, and spilled to DRAM once unleased and unpinned
+    assert engine.dram.entries_of(1) and engine.pool.entries_of(1)
+    compared = []
+    real = index.PrefixIndex._common
+    monkeypatch.setattr(index.PrefixIndex, "_common", lambda self, p, fp, n, *a: compared.append(n) or real(
+        self, p, fp, n, *a))
+    res = engine.rank_with_prefix(1, h, CANDS, now=1.0)
+    assert res.source == "hbm" and res.cached_tokens == 32 and compared == [32]  # the device entry only
+    assert_exact(res, model, h)
+
+
 def test_prefill_of_a_longer_prefix_reloads_the_dram_copy_and_computes_only_new_tokens(model):
     engine = engine_for(model)
     long1 = history(60, seed=1)

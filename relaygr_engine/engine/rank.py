@@ -19,7 +19,11 @@ class RankPlanner:
         """Pin the longest cached prefix of ``p`` (reloading it from DRAM when that holds more) and make its job."""
         match = self.index.match(p, p.num_tokens)
         if self.state.dram is not None:
-            dram = self.index.match(p, p.num_tokens, entries=self.state.dram.entries_of(p.user_id))
+            # (a DRAM entry of n tokens shares at most n with the request: only longer ones than the device match
+            # can beat it, so only those are compared)
+            floor = 0 if match is None else match.usable
+            longer = [(fp, n) for fp, n in self.state.dram.entries_of(p.user_id) if n > floor]
+            dram = self.index.match(p, p.num_tokens, entries=longer) if longer else None
             if dram is not None and (match is None or dram.usable > match.usable):
                 key = (p.user_id, dram.fp)
                 if key not in pins and self.state.pool.lookup(*key) is None:
