@@ -56,6 +56,9 @@ def test_arena_stages_host_values_and_loads_them_in_one_copy():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a copy still pending on its stream)")
 def test_arena_hands_out_no_buffer_a_pending_copy_still_reads_cuda():
+    """On CUDA a kept staging buffer whose copy is still queued (behind a busy stream) is not handed out again: the
+    next refill gets another buffer, the pending copy reads its own values, and once both copies are done the first
+    buffer comes back."""
     a = Arena([(torch.long, (1 << 16,))], torch.device("cuda"))
     staging, arrays = a.stage()
     arrays[0][:] = 1

@@ -23,7 +23,7 @@ class RankPlanner:
             # can beat it, so only those are compared)
             floor = 0 if match is None else match.usable
             longer = [(fp, n) for fp, n in self.state.dram.entries_of(p.user_id) if n > floor]
-            dram = self.index.match(p, p.num_tokens, entries=longer) if longer else None
+            dram = self.index.match(p, p.num_tokens, entries=longer)  # (None when there is none)
             if dram is not None and (match is None or dram.usable > match.usable):
                 key = (p.user_id, dram.fp)
                 if key not in pins and self.state.pool.lookup(*key) is None:
