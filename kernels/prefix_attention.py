@@ -261,6 +261,10 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     C.check_launchable(device, _prefix_attention_kernel)
     if device.type == "cpu" and q.dtype != torch.float32:
         raise ValueError(f"the CPU interpreter runs fp32 only (numpy has no bf16), got q.dtype={q.dtype}")
+    if kd.quantized and not quant.kernel_runs(device):
+        raise ValueError(f"kv_dtype={kd.value!r} on {device.type}: 8-bit pages are not read by this kernel on CUDA "
+                         f"until it passes there (relaygr_engine.quant.kernel_runs; {quant.KERNEL_ENV}=1 runs it "
+                         f"anyway); use ops.paged_prefix_attention(backend='torch')")
     if device.type == "cpu" and kd is KVDtype.FP8_E4M3:
         raise ValueError("kv_dtype='fp8_e4m3' cannot run in the CPU interpreter (numpy has no fp8); use the torch "
                          "backend on the CPU")

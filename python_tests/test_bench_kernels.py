@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -168,10 +169,16 @@ def test_run_gpu_sh_kernel_steps_parse(tmp_path, monkeypatch):
              if "relaygr_engine.cli bench kernels" in x and "--summarize" not in x]
     assert len(lines) >= 7
     for line in lines:
-        cmd = line.split("relaygr_engine.cli bench kernels", 1)[1]
+        before, cmd = line.split("relaygr_engine.cli bench kernels", 1)
         argv = shlex.split(cmd.replace("${OUT_DIR}", str(tmp_path)).replace("${d}", "64"))
-        with pytest.raises(Reached) as got:
-            bench.main(argv)
+        with monkeypatch.context() as env:
+            for name, value in re.findall(r"\b(RELAYGR_\w+)=(\S+)", before):  # the step's environment
+                env.setenv(name, value)
+            with pytest.raises(Reached) as got:
+                bench.main(argv)
+        if "--kv-dtype" in argv:  # the 8-bit steps switch the kernel's 8-bit read on: refused without it on CUDA
+            with pytest.raises(SystemExit):
+                bench.main(argv)
         if "--concurrent-tiles" in argv:  # kernels-splits: the ranking layer, its first split count, both ways
             assert got.value.args[0]["splits"] is None and got.value.args[0]["concurrent_tiles"] is None
         if "--split-dtype" in argv:  # kernels-split-dtype: the launcher's partials first

@@ -6,6 +6,7 @@ unchanged), the Triton kernel's int8 path in the interpreter against the torch r
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -244,6 +245,48 @@ def test_engine_on_the_triton_backend_writes_and_reads_int8_pages_like_the_torch
     assert float(proc.stdout.strip().splitlines()[-1]) <= 1e-5
 
 
+def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, caplog):
+    """Where :func:`relaygr_engine.quant.kernel_runs` says no (CUDA without ``RELAYGR_KV8_KERNEL=1``), a Triton-backend
+    call on 8-bit pages gets the torch path's output, with one warning; the model dtype still takes the kernel, and
+    so do 8-bit pages where the kernel runs."""
+    from relaygr_engine import _warn, ops
+
+    calls = []
+    monkeypatch.setattr(ops, "_triton_impl", lambda: (lambda *a, **kw: calls.append(kw["kv_dtype"]) or a[0]))
+    _warn.forget()
+    g = torch.Generator().manual_seed(1)
+    ps, H, D, P = 16, 2, 32, 6
+    k, v = (torch.randn(P * ps, H, D, generator=g) for _ in range(2))
+    pages = torch.zeros(quant.layer_shape(KVDtype.INT8, P, ps, H, D), dtype=torch.uint8)
+    ids = torch.arange(P * ps)
+    quant.store(pages, KVDtype.INT8, ps, ids // ps, ids % ps, k, v)
+    q, kn, vn = (torch.randn(9, H, D, generator=g) for _ in range(3))
+    tables = dict(kv_indptr=torch.tensor([0, 4, 6], dtype=torch.int32), kv_indices=torch.tensor(
+        [5, 0, 3, 1, 2, 4], dtype=torch.int32), kv_last_page_len=torch.tensor([7, 16], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 5, 9], dtype=torch.int32), num_candidates=torch.tensor([3, 4], dtype=torch.int32))
+    kw = dict(mode="hstu", scale=D ** -0.5, kv_dtype="int8")
+    want = ops.paged_prefix_attention(q, kn, vn, pages, **tables, **kw, backend="torch")
+    monkeypatch.setattr(quant, "kernel_runs", lambda device: False)
+    with caplog.at_level("WARNING", logger="relaygr_engine"):
+        for _ in range(2):
+            got = ops.paged_prefix_attention(q, kn, vn, pages, **tables, **kw, backend="triton")
+            assert torch.equal(got, want)
+    assert calls == [] and sum("8-bit pages" in r.message for r in caplog.records) == 1
+    dense = torch.zeros(P, 2, ps, H, D)
+    ops.paged_prefix_attention(q, kn, vn, dense, **tables, mode="hstu", scale=D ** -0.5, backend="triton")
+    assert calls == ["model"]
+    monkeypatch.setattr(quant, "kernel_runs", lambda device: True)
+    ops.paged_prefix_attention(q, kn, vn, pages, **tables, **kw, backend="triton")
+    assert calls == ["model", "int8"]
+    if torch.cuda.is_available():
+        return
+    monkeypatch.undo()
+    monkeypatch.delenv(quant.KERNEL_ENV, raising=False)
+    assert quant.kernel_runs(torch.device("cpu")) and not quant.kernel_runs(torch.device("cuda"))
+    monkeypatch.setenv(quant.KERNEL_ENV, "1")
+    assert quant.kernel_runs(torch.device("cuda"))
+
+
 # ------------------------------------------------------------------------------------------------ CUDA
 CUDA = torch.cuda.is_available()
 
@@ -251,9 +294,11 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
 @pytest.mark.parametrize("kd", FORMATS)
-def test_cuda_8bit_write_and_attention_match_the_torch_path(kd):
+def test_cuda_8bit_write_and_attention_match_the_torch_path(kd, monkeypatch):
     """On CUDA (bf16): the Triton KV write stores what the torch path stores (up to one 8-bit step where the
-    division rounds differently), and the kernel over those pages matches the torch reference."""
+    division rounds differently), and the kernel over those pages (switched on: ``RELAYGR_KV8_KERNEL=1``, see
+    :func:`relaygr_engine.quant.kernel_runs`) matches the torch reference."""
+    monkeypatch.setenv(quant.KERNEL_ENV, "1")
     from relaygr_engine.kernels.kv_write import kv_write
     from relaygr_engine.kernels.prefix_attention import prefix_attention
     from relaygr_engine.ops import paged_prefix_attention_torch
@@ -269,8 +314,9 @@ def test_cuda_8bit_write_and_attention_match_the_torch_path(kd):
     quant.store(want, kd, ps, slots // ps, slots % ps, k, v)
     K1, V1 = quant.load_pages(got, kd, ps, torch.arange(P, device=dev), torch.float32)
     K2, V2 = quant.load_pages(want, kd, ps, torch.arange(P, device=dev), torch.float32)
-    step = k.float().abs().amax(-1).max() / quant.QMAX[kd] * (1 if kd is KVDtype.INT8 else 32)
-    assert (K1 - K2).abs().max() <= step and (V1 - V2).abs().max() <= step
+    for x, a, b in ((k, K1, K2), (v, V1, V2)):  # each tensor's step is its own rows' largest scale
+        step = x.float().abs().amax(-1).max() / quant.QMAX[kd] * (1 if kd is KVDtype.INT8 else 32)
+        assert (a - b).abs().max() <= step
     users = [(3000, 64, 256), (1000, 0, 32)]
     cu = torch.tensor([0, 320, 352], dtype=torch.int32, device=dev)
     q, kn, vn = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -284,6 +330,23 @@ def test_cuda_8bit_write_and_attention_match_the_torch_path(kd):
         ref = paged_prefix_attention_torch(q.float(), kn.float(), vn.float(), got, **tables, mode=mode,
                                            scale=D ** -0.5, kv_dtype=kd.value)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
+def test_cuda_kernel_refuses_8bit_pages_unless_switched_on(monkeypatch):
+    """On CUDA without ``RELAYGR_KV8_KERNEL=1`` the kernel's entry refuses 8-bit pages before launching anything,
+    naming the switch."""
+    from relaygr_engine.kernels.prefix_attention import prefix_attention
+
+    monkeypatch.delenv(quant.KERNEL_ENV, raising=False)
+    dev, H, D = torch.device("cuda"), 2, 64
+    pages = torch.zeros(quant.layer_shape(KVDtype.FP8_E4M3, 2, 16, H, D), dtype=torch.uint8, device=dev)
+    q = torch.zeros(4, H, D, dtype=torch.bfloat16, device=dev)
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match=quant.KERNEL_ENV):
+        prefix_attention(q, q, q, pages, i32([0, 1]), i32([1]), i32([5]), i32([0, 4]), i32([2]), mode="softmax",
+                         scale=0.125, kv_dtype="fp8_e4m3")
 
 
 # ------------------------------------------------------------------------------------------------ benchmark

@@ -33,6 +33,7 @@ import logging
 
 import torch
 
+from . import quant
 from ._warn import warn_once
 from .attention_checks import _check_args
 from .kernels._common import with_dense_rows
@@ -186,6 +187,11 @@ def _dispatch(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len, cu_seq
     compiled, so graphs see one opaque op with a fake implementation.
     """
     be = _resolve_backend(backend, q.device)
+    if be is AttentionBackend.TRITON and kv_dtype.quantized and not quant.kernel_runs(q.device):
+        warn_once(_log, ("ops", "kv8-torch", q.device.type), "kv_dtype=%r on %s: attention reads the 8-bit pages "
+                  "through the torch path (the Triton kernel's 8-bit read is off there until it passes on a GPU: "
+                  "relaygr_engine.quant.kernel_runs)", kv_dtype.value, q.device.type)
+        be = AttentionBackend.TORCH
     if mode is AttentionMode.SOFTMAX or ts_bias is None:
         ts_cache = ts_q = None  # unused: keep them out of the kernels
     if be is AttentionBackend.TRITON:  # the kernel takes dense rows at any stride: views of one projection as they are

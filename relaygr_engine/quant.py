@@ -20,17 +20,31 @@ A row of zeros has scale 1. The Triton kernel reads the same format (``KV8`` in 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from .config import KVDtype
 
-__all__ = ["QMAX", "SCALE_BYTES", "dequantize", "layer_shape", "load_pages", "quantize", "quantize_pages",
+__all__ = ["KERNEL_ENV", "QMAX", "SCALE_BYTES", "dequantize", "kernel_runs", "layer_shape", "load_pages", "quantize", "quantize_pages",
            "scale_slots", "scales",
            "storage_dtype", "store", "token_page_size", "value_dtype", "values"]
 
 SCALE_BYTES = 4
 QMAX = {KVDtype.INT8: 127.0, KVDtype.FP8_E4M3: 448.0}  # the largest 8-bit magnitude used
+KERNEL_ENV = "RELAYGR_KV8_KERNEL"
+
+
+def kernel_runs(device: torch.device) -> bool:
+    """Whether the Triton prefix-attention kernel reads 8-bit pages on ``device``: off CUDA (the interpreter runs
+    int8 exactly), and on CUDA only with ``RELAYGR_KV8_KERNEL=1``. On an H100 (2026-11-26, Triton 3.6) the kernel
+    on fp8 pages stopped with an illegal memory access while the autotuner timed it, a fault the bounds-checked
+    interpreter does not reproduce on int8 pages; int8 has not run there. Until a GPU run passes, 8-bit pages on
+    CUDA attend through the torch path (:func:`relaygr_engine.ops.paged_prefix_attention` says so once); the
+    Triton KV write, which passed there, still quantises them."""
+    if device.type != "cuda":
+        return True
+    return os.environ.get(KERNEL_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def value_dtype(kv_dtype: KVDtype) -> torch.dtype:

@@ -31,8 +31,9 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import quant
 from ..cli_args import POSITIVE_INTS, ArgumentParser
-from ..config import SHORT_DTYPE_NAMES
+from ..config import SHORT_DTYPE_NAMES, KVDtype
 from . import kernels_summary as S
 from .device_timing import device_seconds as _time
 from .kernel_shapes import CPU_SHAPES, GPU_SHAPES, Shape, parse_shape
@@ -232,9 +233,6 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     if t_ptr is not None:
         row.update(pointers_ms=t_ptr * 1e3, tma_gain=t_ptr / t_paged)
     if kv_dtype != "model":
-        from relaygr_engine import quant
-        from relaygr_engine.config import KVDtype
-
         qargs = dict(args, kv_cache=quant.quantize_pages(args["kv_cache"], KVDtype(kv_dtype)))
         out8 = prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype)
         t8 = _time(lambda: prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype),
@@ -346,6 +344,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                             {"model": None, **{name: d for d, name in SHORT_DTYPE_NAMES.items()}})
     if torch.bfloat16 in split_dtypes and cpu:
         ap.error("--split-dtype bf16 cannot run in the CPU interpreter (numpy has no bf16)")
+    if opts.kv_dtype != "model" and not quant.kernel_runs(device):
+        ap.error(f"--kv-dtype {opts.kv_dtype} on {device.type}: the kernel's 8-bit read is off there until it passes "
+                 f"on a GPU (relaygr_engine.quant.kernel_runs); {quant.KERNEL_ENV}=1 runs it anyway")
     hoppers = _choices(ap, "--hopper-kernel", opts.hopper_kernel, {"no": False, "yes": True})
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
