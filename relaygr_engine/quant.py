@@ -26,9 +26,9 @@ import torch
 
 from .config import KVDtype
 
-__all__ = ["KERNEL_ENV", "QMAX", "SCALE_BYTES", "dequantize", "kernel_runs", "layer_shape", "load_pages", "quantize", "quantize_pages",
-           "scale_slots", "scales",
-           "storage_dtype", "store", "token_page_size", "value_dtype", "values"]
+__all__ = ["KERNEL_ENV", "QMAX", "SCALE_BYTES", "dequantize", "kernel_runs", "layer_shape", "load_pages", "quantize",
+           "quantize_pages", "scale_slots", "scales", "storage_dtype", "store", "token_page_size", "value_dtype",
+           "values"]
 
 SCALE_BYTES = 4
 QMAX = {KVDtype.INT8: 127.0, KVDtype.FP8_E4M3: 448.0}  # the largest 8-bit magnitude used
