@@ -15,16 +15,17 @@
 # A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
 # files: one call, its timeout_s about 560, of
 #   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
-# with, in order of what is least known and most asked (as of 2026-11-26; the first steps compile the kernels'
-# variants for the later ones, which find them in Triton's cache; tests-hopper-twin is the sm_90 kernel alone against
-# its torch twin, no autotuning: which variant is wrong, if any, in a minute or two, where tests-hopper's reference
-# tests autotune the portable kernel's share of every case):
-#   1. STEPS="env tests-hopper-twin kernels-hopper-rank rank-hopper rank tests-hopper profile-graphs kernels-splits"
-#   2. STEPS="kernels-hopper kernels-hopper-softmax kernels-split-dtype host"
-#   3. STEPS="tiers-8k kernels-d256 tests-gpu"
-#   3b. STEPS="kernels-vsplits-rank rank-compile ncu"
-#   4. STEPS="kernels-d64 kernels-d128 ncu-kernel ncu-hopper tiers sync kernels-vsplits"
+# with, in order of what is least known and most asked (as of 2026-11-26, after a run of the first calls below:
+# benchmarks/results/gpu-h100-2026-11-26/; the first steps compile the kernels' variants for the later ones, which
+# find them in Triton's cache), two calls back to back (a warm machine is given back 30 s after a call):
+#   1. STEPS="env tests-gpu sanitize-kv8 kernels-d256 ncu"  (DEADLINE_S=480: pytest -m gpu after the fixes of
+#      2026-11-26; where the kernel's 8-bit read faults; the long shapes of both modes; what bounds the kernel now)
+#   2. STEPS="kernels-d64 kernels-d128 kernels-hopper-softmax"  (DEADLINE_S=250 on what is left)
+#   3. STEPS="tests-cuda ncu-kernel profile-graphs rank"  (the whole suite on the GPU machine)
+#   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
+# Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
+# rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype.
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
