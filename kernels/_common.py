@@ -22,7 +22,6 @@ import functools
 import importlib
 import logging
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -30,7 +29,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..config import SHORT_DTYPE_NAMES
+from ..config import SHORT_DTYPE_NAMES, env_flag
 
 _log = logging.getLogger("relaygr_engine")
 
@@ -53,7 +52,7 @@ def cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------------------------- interpreter
 def interpreter_requested() -> bool:
     """Whether ``TRITON_INTERPRET`` is set to a true value now."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag("TRITON_INTERPRET")
 
 
 def is_interpreted(fn) -> bool:

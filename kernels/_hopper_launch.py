@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Optional
 
 import torch
 
 from .._warn import warn_once
+from ..config import env_flag
 from . import _common as C
 from ._prefix_config import _capability
 
@@ -58,7 +58,7 @@ def requested(hopper_kernel: Optional[bool]) -> bool:
         if not isinstance(hopper_kernel, bool):
             raise ValueError(f"hopper_kernel must be a bool or None, got {hopper_kernel!r}")
         return hopper_kernel
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag(ENV)
 
 
 def block_n(head_dim: int) -> int:

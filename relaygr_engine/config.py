@@ -5,6 +5,7 @@ import enum
 import math
 import numbers
 import operator
+import os
 import reprlib
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -12,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = ["AttentionBackend", "AttentionMode", "CacheConfig", "GraphConfig", "KVDtype", "OnloadMode", "PageReads",
-           "TimeBucket", "check_int", "parse_choice", "resolve_dtype"]
+           "TimeBucket", "check_int", "env_flag", "parse_choice", "resolve_dtype"]
 
 
 def check_int(name: str, value, minimum: int = 0, below: Optional[int] = None) -> int:
@@ -38,6 +39,11 @@ def _bound(n: int) -> str:
 def _real(value) -> bool:
     """A real number that is not a bool (ints, floats, numpy scalars)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to a true value now (``1``, ``true``, ``on``, ``yes``, any case)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def parse_choice(enum_cls: type[enum.Enum], value, name: str):

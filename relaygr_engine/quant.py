@@ -20,11 +20,10 @@ A row of zeros has scale 1. The Triton kernel reads the same format (``KV8`` in 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .config import KVDtype
+from .config import KVDtype, env_flag
 
 __all__ = ["KERNEL_ENV", "QMAX", "SCALE_BYTES", "dequantize", "kernel_runs", "layer_shape", "load_pages", "quantize",
            "quantize_pages", "scale_slots", "scales", "storage_dtype", "store", "token_page_size", "value_dtype",
@@ -44,7 +43,7 @@ def kernel_runs(device: torch.device) -> bool:
     Triton KV write, which passed there, still quantises them."""
     if device.type != "cuda":
         return True
-    return os.environ.get(KERNEL_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag(KERNEL_ENV)
 
 
 def value_dtype(kv_dtype: KVDtype) -> torch.dtype:
