@@ -20,7 +20,8 @@
 # find them in Triton's cache), two calls back to back (a warm machine is given back 30 s after a call):
 #   1. STEPS="env tests-gpu sanitize-kv8 kernels-d256 ncu"  (DEADLINE_S=480: pytest -m gpu after the fixes of
 #      2026-11-26; where the kernel's 8-bit read faults; the long shapes of both modes; what bounds the kernel now)
-#   2. STEPS="kernels-d64 kernels-d128 kernels-hopper-softmax"  (DEADLINE_S=250 on what is left)
+#   2. STEPS="profile-graphs-hopper kernels-d64 kernels-d128 kernels-hopper-softmax"  (DEADLINE_S=250 on what is
+#      left)
 #   3. STEPS="tests-cuda ncu-kernel profile-graphs rank"  (the whole suite on the GPU machine)
 #   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 #   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
@@ -31,7 +32,8 @@
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
-# rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs ncu ncu-hopper
+# rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
+# profile-graphs-hopper ncu ncu-hopper
 # ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
 # part of tests-hopper, by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
@@ -66,7 +68,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -176,6 +178,9 @@ step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model
     --json "${OUT_DIR}/rank-compile.json"
 step profile 300 $PY benchmarks/profile_rank.py
 step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs --interleave
+# The same ranking on the sm_90 kernel: on 2026-11-26 it made a graphed ranking 0.35 ms slower (1.65 vs 1.30 ms)
+# where one layer alone was 4 us slower (0.062 vs 0.058 ms): which of its kernels take the rest.
+step profile-graphs-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY benchmarks/profile_rank.py --cuda-graphs --interleave
 # What bounds the engine's kernels in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
 # sections for each launch of the prefix kernel (16: history and candidate tiles of 8 layers), the bias table (8)
 # and the split merge's reduction (8), in one ranking after warm-up, with why warps wait (WarpStateStats: stall
