@@ -368,3 +368,69 @@ def test_cuda_graphed_pre_infer_chunks_replay_exactly():
         res = engine.rank_with_prefix(user, h, c)
         assert res.source == "hbm" and res.cached_tokens == 128
         assert_exact(res, model, h, c)
+
+
+class _ReadsScores(torch.nn.Module):
+    """A model whose forward reads its scores back on the host: it runs eagerly, and its capture fails."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, batch):
+        scores = self.inner(batch)
+        assert float(scores.float().abs().sum()) >= 0.0
+        return scores
+
+
+def test_a_failed_capture_resets_the_cuda_generator(monkeypatch, caplog):
+    """After a capture that raised, the device's default generator continues from a fresh copy of its state; where
+    that fails, one warning says so. A CPU engine has no generator to reset."""
+    from relaygr_engine import _warn
+    from relaygr_engine.engine import graphs
+
+    class Generator:
+        def __init__(self, fail=False):
+            self.fail, self.set = fail, []
+
+        def clone_state(self):
+            if self.fail:
+                raise RuntimeError("no clone")
+            return ("copy of", self)
+
+        def graphsafe_set_state(self, state):
+            self.set.append(state)
+
+    gens = [Generator(), Generator()]
+    monkeypatch.setattr(torch.cuda, "default_generators", gens, raising=False)
+    graphs.reset_rng_after_failed_capture(torch.device("cuda", 1))
+    assert gens[0].set == [] and gens[1].set == [("copy of", gens[1])]
+    graphs.reset_rng_after_failed_capture(torch.device("cpu"))
+    assert gens[1].set == [("copy of", gens[1])]
+    _warn.forget()
+    monkeypatch.setattr(torch.cuda, "default_generators", [Generator(fail=True)], raising=False)
+    with caplog.at_level("WARNING", logger="relaygr_engine"):
+        for _ in range(2):
+            graphs.reset_rng_after_failed_capture(torch.device("cuda", 0))
+    assert sum("could not reset the CUDA generator" in r.message for r in caplog.records) == 1
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_cuda_a_failed_capture_serves_eagerly_and_leaves_random_ops_working():
+    """fp32 on CUDA: a model that reads its scores on the host cannot be captured; the ranking is served eagerly
+    and exactly, the failure counted, and random ops on the device work afterwards (torch leaves its generator
+    marked as capturing after a capture that raised: the engine resets it)."""
+    inner = rg.build_ranker(make_model().config, seed=0, device="cuda")
+    engine = make_engine(_ReadsScores(inner), cache=dict(device="cuda", attention_backend="triton"),
+                         cuda_graphs=True)
+    h, c = history(80, seed=3), candidates(11)
+    assert engine.prefill_prefix(1, h.prefix(70)).admitted
+    first, second = engine.rank_with_prefix(1, h, c), engine.rank_with_prefix(1, h, c)
+    for r in (first, second):
+        assert r.source == "hbm"
+        assert_exact(r, inner, h, c)
+    assert engine.stats()["graph_failures"] == 1
+    x = torch.randn(1000, device="cuda")
+    assert x.shape == (1000,) and float(x.std()) > 0.5

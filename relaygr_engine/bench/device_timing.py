@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.graphs import reset_rng_after_failed_capture
 from .common import median_time, percentile, sync
 
 __all__ = ["device_seconds"]
@@ -40,6 +41,7 @@ def _capture(fn: Callable[[], object], device: torch.device):
             fn()
     except RuntimeError as exc:  # a host read of device memory, or an op that refuses capture
         log.warning("timing eagerly: the call cannot be captured in a CUDA graph (%s)", str(exc).splitlines()[0])
+        reset_rng_after_failed_capture(device)
         sync(device)
         return None
     return graph

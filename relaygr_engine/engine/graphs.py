@@ -49,7 +49,7 @@ from .layout import check_scores, page_layout, split_scores
 from .records import Job
 from .tiers import CacheState
 
-__all__ = ["GraphKey", "GraphRunner", "HostLayoutRead", "bucket"]
+__all__ = ["GraphKey", "GraphRunner", "HostLayoutRead", "bucket", "reset_rng_after_failed_capture"]
 
 _log = logging.getLogger("relaygr_engine")
 _MIN_ROWS = 16
@@ -67,6 +67,27 @@ def bucket(n: int, steps: int = 4) -> int:
     top = 1 << (n - 1).bit_length()                    # the power of two at or above n
     step = max(_MIN_ROWS, top // (2 * steps))
     return cdiv(n, step) * step
+
+
+def reset_rng_after_failed_capture(device: torch.device) -> None:
+    """After a CUDA graph capture on ``device`` that raised: its default CUDA generator continues from a fresh copy
+    of its state (the same seed and offset).
+
+    torch ends such a capture without ending the generator's part in it (the state stays marked as capturing, in
+    the torch releases whose generator state has that mark), so every later random op on the device would raise
+    "Offset increment outside graph capture encountered unexpectedly": a caller that goes on eagerly after a failed
+    capture would leave the process's random numbers broken. Graphs captured before keep the state they were
+    captured with. Where the reset itself fails, it says so (logged once) and leaves the generator as it is."""
+    if device.type != "cuda":
+        return
+    try:
+        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception as exc:  # noqa: BLE001 - a best effort on a path that is already falling back
+        from .._warn import warn_once
+
+        warn_once(_log, ("graphs", "rng-reset"), "could not reset the CUDA generator after a failed graph capture "
+                  "(%s: %s): random ops on %s may raise from now on", type(exc).__name__, exc, device)
 
 
 class GraphKey(NamedTuple):
@@ -312,6 +333,7 @@ class GraphRunner:
                 out = self._forward(b, *self._static(b))
         except Exception as exc:  # noqa: BLE001 - any capture failure: serve eagerly from now on
             self.buckets.pop(b.key, None)
+            reset_rng_after_failed_capture(self.state.cache.device)
             first = exc.__context__ or exc  # what failed inside the capture (ending it raises a second error)
             self._disable(f"capture failed: {type(first).__name__}: {first}",
                           "".join(traceback.format_exception(first)))
