@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .._host import Arena
+from .._warn import warn_once
 from ..batch import RelayBatch, RequestRows, build_device, gather_rows, structure_arrays
 from ..config import AttentionBackend, GraphConfig
 from ..context import PagedState, paged_context
@@ -84,8 +85,6 @@ def reset_rng_after_failed_capture(device: torch.device) -> None:
         gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
         gen.graphsafe_set_state(gen.clone_state())
     except Exception as exc:  # noqa: BLE001 - a best effort on a path that is already falling back
-        from .._warn import warn_once
-
         warn_once(_log, ("graphs", "rng-reset"), "could not reset the CUDA generator after a failed graph capture "
                   "(%s: %s): random ops on %s may raise from now on", type(exc).__name__, exc, device)
 
