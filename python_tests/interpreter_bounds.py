@@ -18,6 +18,7 @@ __all__ = ["OutOfBounds", "install", "checked_accesses"]
 
 _ranges: list = []     # (first byte, one past the last) of each tensor argument's storage, this launch
 _counts = {"load": 0, "store": 0}
+_np_dtype = None       # the interpreter's numpy dtype of a Triton element type (set by install)
 
 
 class OutOfBounds(AssertionError):
@@ -36,13 +37,11 @@ def _collect(arg) -> None:
 
 
 def _check(kind: str, ptrs, mask) -> None:
-    from triton.runtime import interpreter as I
-
     addresses = ptrs.data.reshape(-1)[np.asarray(mask.data, dtype=bool).reshape(-1)].astype(np.uint64)
     _counts[kind] += 1
     if addresses.size == 0:
         return
-    width = np.uint64(np.dtype(I._get_np_dtype(ptrs.get_element_ty())).itemsize)
+    width = np.uint64(np.dtype(_np_dtype(ptrs.get_element_ty())).itemsize)
     inside = np.zeros(addresses.shape, dtype=bool)
     for lo, hi in _ranges:
         inside |= (addresses >= np.uint64(lo)) & (addresses + width <= np.uint64(hi))
@@ -58,12 +57,15 @@ def install() -> None:
     from triton.runtime import interpreter as I
 
     executor, builder = getattr(I, "GridExecutor", None), getattr(I, "InterpreterBuilder", None)
-    needed = (executor, "_init_args_hst"), (builder, "create_masked_load"), (builder, "create_masked_store")
+    needed = ((executor, "_init_args_hst"), (builder, "create_masked_load"), (builder, "create_masked_store"),
+              (I, "_get_np_dtype"))
     if any(cls is None or not hasattr(cls, name) for cls, name in needed):
         raise RuntimeError("this Triton's interpreter lacks the hooks interpreter_bounds patches")
     if getattr(builder, "_bounds_checked", False):
         return
     init, load, store = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store
+    global _np_dtype
+    _np_dtype = I._get_np_dtype
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = init(self, args_dev, kwargs)

@@ -256,10 +256,8 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
     _warn.forget()
     g = torch.Generator().manual_seed(1)
     ps, H, D, P = 16, 2, 32, 6
-    k, v = (torch.randn(P * ps, H, D, generator=g) for _ in range(2))
-    pages = torch.zeros(quant.layer_shape(KVDtype.INT8, P, ps, H, D), dtype=torch.uint8)
-    ids = torch.arange(P * ps)
-    quant.store(pages, KVDtype.INT8, ps, ids // ps, ids % ps, k, v)
+    dense = torch.randn(P, 2, ps, H, D, generator=g)
+    pages = quant.quantize_pages(dense, KVDtype.INT8)
     q, kn, vn = (torch.randn(9, H, D, generator=g) for _ in range(3))
     tables = dict(kv_indptr=torch.tensor([0, 4, 6], dtype=torch.int32), kv_indices=torch.tensor(
         [5, 0, 3, 1, 2, 4], dtype=torch.int32), kv_last_page_len=torch.tensor([7, 16], dtype=torch.int32),
@@ -272,7 +270,6 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
             got = ops.paged_prefix_attention(q, kn, vn, pages, **tables, **kw, backend="triton")
             assert torch.equal(got, want)
     assert calls == [] and sum("8-bit pages" in r.message for r in caplog.records) == 1
-    dense = torch.zeros(P, 2, ps, H, D)
     ops.paged_prefix_attention(q, kn, vn, dense, **tables, mode="hstu", scale=D ** -0.5, backend="triton")
     assert calls == ["model"]
     monkeypatch.setattr(quant, "kernel_runs", lambda device: True)
