@@ -288,38 +288,61 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
 CUDA = torch.cuda.is_available()
 
 
+KERNEL_OFF = "the kernel's 8-bit read is off on CUDA (it faulted on an H100: relaygr_engine.quant.kernel_runs); " \
+    f"{quant.KERNEL_ENV}=1 in the environment tests it (run_gpu.sh's sanitize-kv8 step, under compute-sanitizer)"
+
+
+def _cuda_8bit_pages(kd, num_pages, ps, H, D, g):
+    """Rows ``k, v [num_pages * ps, H, D]`` (bf16, CUDA) written to a quantised layer by the Triton KV write and by
+    :func:`relaygr_engine.quant.store`: ``(k, v, written_by_the_kernel, written_by_torch)``."""
+    from relaygr_engine.kernels.kv_write import kv_write
+
+    dev = torch.device("cuda")
+    shape = quant.layer_shape(kd, num_pages, ps, H, D)
+    k, v = (torch.randn(num_pages * ps, H, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(num_pages * ps, device=dev)
+    got, want = torch.zeros(shape, dtype=torch.uint8, device=dev), torch.zeros(shape, dtype=torch.uint8, device=dev)
+    kv_write(got, k, v, slots, kv_dtype=kd)
+    quant.store(want, kd, ps, slots // ps, slots % ps, k, v)
+    return k, v, got, want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
 @pytest.mark.parametrize("kd", FORMATS)
-def test_cuda_8bit_write_and_attention_match_the_torch_path(kd, monkeypatch):
-    """On CUDA (bf16): the Triton KV write stores what the torch path stores (up to one 8-bit step where the
-    division rounds differently), and the kernel over those pages (switched on: ``RELAYGR_KV8_KERNEL=1``, see
-    :func:`relaygr_engine.quant.kernel_runs`) matches the torch reference."""
-    monkeypatch.setenv(quant.KERNEL_ENV, "1")
-    from relaygr_engine.kernels.kv_write import kv_write
+def test_cuda_8bit_write_matches_the_torch_path(kd):
+    """On CUDA (bf16 rows) the Triton KV write stores what the torch path stores, up to one 8-bit step where the
+    two round differently."""
+    dev, ps, P = torch.device("cuda"), 64, 64
+    k, v, got, want = _cuda_8bit_pages(kd, P, ps, 4, 128, torch.Generator(device=dev).manual_seed(0))
+    K1, V1 = quant.load_pages(got, kd, ps, torch.arange(P, device=dev), torch.float32)
+    K2, V2 = quant.load_pages(want, kd, ps, torch.arange(P, device=dev), torch.float32)
+    for x, a, b in ((k, K1, K2), (v, V1, V2)):  # each tensor's step is its own rows' largest scale
+        step = x.float().abs().amax(-1).max() / quant.QMAX[kd] * (1 if kd is KVDtype.INT8 else 32)
+        # (the two quantisers' fp32 scales may differ in their last bits: a value one step off is then off by
+        # the step times 1 + a few fp32 ulps of up to QMAX)
+        assert (a - b).abs().max() <= step * (1 + 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
+@pytest.mark.skipif(CUDA and not quant.kernel_runs(torch.device("cuda")), reason=KERNEL_OFF)
+@pytest.mark.parametrize("kd", FORMATS)
+def test_cuda_8bit_kernel_matches_the_torch_path(kd):
+    """On CUDA, where the kernel's 8-bit read is switched on (``RELAYGR_KV8_KERNEL=1``), the kernel over pages the
+    Triton KV write stored matches the torch reference, both modes."""
     from relaygr_engine.kernels.prefix_attention import prefix_attention
     from relaygr_engine.ops import paged_prefix_attention_torch
 
     dev, ps, H, D = torch.device("cuda"), 64, 4, 128
     g = torch.Generator(device=dev).manual_seed(0)
-    P = 64
-    shape = quant.layer_shape(kd, P, ps, H, D)
-    k, v = (torch.randn(P * ps, H, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    slots = torch.arange(P * ps, device=dev)
-    got, want = torch.zeros(shape, dtype=torch.uint8, device=dev), torch.zeros(shape, dtype=torch.uint8, device=dev)
-    kv_write(got, k, v, slots, kv_dtype=kd)
-    quant.store(want, kd, ps, slots // ps, slots % ps, k, v)
-    K1, V1 = quant.load_pages(got, kd, ps, torch.arange(P, device=dev), torch.float32)
-    K2, V2 = quant.load_pages(want, kd, ps, torch.arange(P, device=dev), torch.float32)
-    for x, a, b in ((k, K1, K2), (v, V1, V2)):  # each tensor's step is its own rows' largest scale
-        step = x.float().abs().amax(-1).max() / quant.QMAX[kd] * (1 if kd is KVDtype.INT8 else 32)
-        assert (a - b).abs().max() <= step
+    _, _, got, _ = _cuda_8bit_pages(kd, 64, ps, H, D, g)
     users = [(3000, 64, 256), (1000, 0, 32)]
     cu = torch.tensor([0, 320, 352], dtype=torch.int32, device=dev)
     q, kn, vn = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
     pages = [-(-p // ps) for p, _, _ in users]
     indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32, device=dev)
-    tables = dict(kv_indptr=indptr, kv_indices=torch.randperm(P, device=dev)[:sum(pages)].int(),
+    tables = dict(kv_indptr=indptr, kv_indices=torch.randperm(64, device=dev)[:sum(pages)].int(),
                   kv_last_page_len=torch.tensor([3000 - 46 * ps, 1000 - 15 * ps], dtype=torch.int32, device=dev),
                   cu_seqlens_q=cu, num_candidates=torch.tensor([256, 32], dtype=torch.int32, device=dev))
     for mode in ("softmax", "hstu"):
