@@ -11,12 +11,17 @@ tile in lock step (three CTA barriers per key block, the QK product waited on be
 one warp group of 64 rows and one loader warp:
 
 - the **loader** (1 warp, few registers) streams a key block's K and V rows of one head through TMA (one copy each:
-  a block lies in one page, NHD pages make its rows one strided box) into a ring of ``STAGES`` buffers, each
-  guarded by a pair of mbarriers (filled / free), reading the page table as it goes;
+  a block lies in one page, NHD pages make its rows one strided box) into two rings of ``STAGES`` buffers, K's and
+  V's, each buffer guarded by a pair of mbarriers (filled / free), reading the page table as it goes;
 - the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), turns the
-  scores into weights, multiplies them by V into its fp32 accumulator, and frees the buffer, without a CTA barrier:
-  two or three programs on one SM (``maxnreg`` sized for it) interleave their tensor-core and special-function
-  phases. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
+  scores into weights, multiplies them by V into its fp32 accumulator, and frees each buffer once its product is
+  done, without a CTA barrier: two or three programs on one SM (``maxnreg`` sized for it) interleave their
+  tensor-core and special-function phases. HSTU's loop also overlaps within the warp group (FlashAttention-3's
+  order): block ``i + 1``'s QK product is issued before block ``i``'s SiLU and runs on the tensor cores while it is
+  computed, and block ``i``'s P.V product runs on into the next block's (HSTU's accumulator is a plain sum: no
+  rescale has to wait for it). K's buffers free as soon as their QK product is done, V's after their P.V product,
+  so two stages of each suffice: K of block ``i + 1`` needs only the buffer of block ``i - 1``, freed one block
+  earlier. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
   FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score; the accumulator rescaled in
   registers only when a row's running max grows by a factor of more than 2^8).
 
@@ -50,6 +55,9 @@ SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
 # overflow), and a block skips the rescale's D / 2 multiplies a thread (a third of the loop's code at head dim 256).
 # The stored (m, l) pair merges the same.
 RESCALE_AT = gl.constexpr(8.0)
+# HSTU overlaps a block's SiLU with the next block's QK product from this head dim on: below, the two blocks' scores
+# (and a history tile's biases) do not fit the registers that three programs an SM leave (at 64: spills).
+OVERLAP_FROM = gl.constexpr(128)
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
 
 
@@ -88,23 +96,82 @@ def _work(pid, tile_user_ptr, tile_row_ptr, cu_q_ptr, num_cand_ptr, kv_indptr_pt
 
 
 @gluon.jit
-def _load_blocks(kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
+def _load_blocks(kv_desc, kv_indices_ptr, k_bufs, v_bufs, bars, page_lo, lo, n_blocks, head,
                  PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warp: key block ``i``'s K and V rows of ``head`` into ring buffer ``i % STAGES`` once it is
-    free, signalling ``ready`` when all its copies land: one box of K and one of V per page the block spans (a
-    block of ``BLOCK_N`` keys lies in one page, or spans ``BLOCK_N / PAGE_SIZE`` whole pages)."""
+    """The loader warp: key block ``i``'s K rows of ``head`` into K's ring buffer ``i % STAGES`` once it is free,
+    then its V rows into V's, each signalling its ``ready`` barrier when all its copies land: one box per page the
+    block spans (a block of ``BLOCK_N`` keys lies in one page, or spans ``BLOCK_N / PAGE_SIZE`` whole pages).
+    ``bars`` holds the rings' barriers (:func:`_bar`)."""
     PIECE: gl.constexpr = kv_desc.block_shape[0]  # rows a copy: min(BLOCK_N, PAGE_SIZE)
     for i in range(n_blocks):
         stage = i % STAGES
-        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)  # (a new barrier counts as freed once)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * kv_desc.dtype.primitive_bitwidth // 8)
-        for j in gl.static_range(BLOCK_N // PIECE):
-            start = lo + i * BLOCK_N + j * PIECE
-            page = gl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE)
-            row = page * (2 * PAGE_SIZE) + start % PAGE_SIZE      # K's row in the [pages * 2 * P, H * D] view
-            _tma_load(kv_desc, [row, head * HEAD_DIM], bar, k_bufs.index(stage).slice(j * PIECE, PIECE))
-            _tma_load(kv_desc, [row + PAGE_SIZE, head * HEAD_DIM], bar, v_bufs.index(stage).slice(j * PIECE, PIECE))
+        for which in gl.static_range(2):  # K (0), then V (1)
+            bufs = k_bufs if which == 0 else v_bufs
+            mbarrier.wait(_bar(bars, FREE, which, stage, STAGES), ((i // STAGES) & 1) ^ 1)  # (new: freed once)
+            bar = _bar(bars, READY, which, stage, STAGES)
+            mbarrier.expect(bar, BLOCK_N * HEAD_DIM * kv_desc.dtype.primitive_bitwidth // 8)
+            for j in gl.static_range(BLOCK_N // PIECE):
+                start = lo + i * BLOCK_N + j * PIECE
+                page = gl.load(kv_indices_ptr + page_lo + start // PAGE_SIZE)
+                row = page * (2 * PAGE_SIZE) + start % PAGE_SIZE + which * PAGE_SIZE  # in [pages * 2 * P, H * D]
+                _tma_load(kv_desc, [row, head * HEAD_DIM], bar, bufs.index(stage).slice(j * PIECE, PIECE))
+
+
+READY = gl.constexpr(0)  # a buffer's copies have landed
+FREE = gl.constexpr(1)   # a buffer's product is done: the loader may refill it
+
+
+@gluon.jit
+def _bar(bars, kind: gl.constexpr, which: gl.constexpr, stage, STAGES: gl.constexpr):
+    """The mbarrier of ``kind`` (READY or FREE) of ring ``which`` (0: K, 1: V), buffer ``stage``: ``bars`` is
+    ``[4 * STAGES, 1]``, ring-major."""
+    return bars.index((kind * 2 + which) * STAGES + stage)
+
+
+@gluon.jit
+def _qk(q_smem, k_bufs, bars, s0, i, STAGES: gl.constexpr):
+    """Issue block ``i``'s QK product (asynchronous) once its K has landed."""
+    stage = i % STAGES
+    mbarrier.wait(_bar(bars, READY, 0, stage, STAGES), (i // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(p, v_bufs, bars, acc0, acc1, i, STAGES: gl.constexpr, PART: gl.constexpr, O_PARTS: gl.constexpr):
+    """Issue block ``i``'s P.V product into the accumulators (asynchronous, one group per accumulator) once its V
+    has landed."""
+    stage = i % STAGES
+    mbarrier.wait(_bar(bars, READY, 1, stage, STAGES), (i // STAGES) & 1)
+    v = v_bufs.index(stage)
+    if O_PARTS == 1:
+        acc0 = warpgroup_mma(p, v, acc0, is_async=True)
+    else:
+        acc0 = warpgroup_mma(p, v.slice(0, PART, dim=1), acc0, is_async=True)
+        acc1 = warpgroup_mma(p, v.slice(PART, PART, dim=1), acc1, is_async=True)
+    return acc0, acc1
+
+
+@gluon.jit
+def _bias(tb, at, ok, HAS_BIAS: gl.constexpr):
+    """A block's halved biases from the bias table (a candidate tile's one row ``[BLOCK_N]``, a history tile's one a
+    query row ``[64, BLOCK_N]``) at column ``at``, zeros unless ``ok``; 0 without biases."""
+    if HAS_BIAS:
+        return gl.load(tb + at, mask=ok, other=0.0)
+    else:
+        return 0.0
+
+
+@gluon.jit
+def _hstu_weights(s, bias, scale, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr):
+    """HSTU's weights of a block's scores ``s``: ``SiLU(h) = h + h tanh(h)`` of ``h = s scale / 2 + bias / 2`` (the
+    table's biases come halved: :func:`_bias`)."""
+    h = s * (scale * 0.5)
+    if HAS_BIAS:
+        if CAND_TILES:
+            h = h + gl.expand_dims(bias, 0)
+        else:
+            h = h + bias
+    return h + h * _tanh(h)
 
 
 @gluon.jit
@@ -115,7 +182,48 @@ def _tanh(x):
 
 
 @gluon.jit
-def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo, n_blocks,
+def _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blocks, scale, p_layout: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr,
+                     PART: gl.constexpr, O_PARTS: gl.constexpr):
+    """HSTU's key blocks ``0 .. n_blocks - 1`` (at least 2) in FlashAttention-3's order: block ``i + 1``'s QK
+    product is issued before block ``i``'s SiLU, and block ``i``'s P.V product runs on while block ``i + 1``'s
+    starts. After each P.V is issued the warp group waits until only that one is outstanding (oldest first: block
+    ``i - 1``'s P.V, block ``i + 1``'s QK, block ``i``'s P.V, ``O_PARTS`` groups per P.V), so the scores it reads
+    next and the buffers it frees are done. The accumulators stay in flight from one block's P.V to the next
+    (nothing else reads them) until the last wait; returns them."""
+    s = warpgroup_mma_wait(0, deps=(_qk(q_smem, k_bufs, bars, s0, 0, STAGES), ))
+    mbarrier.arrive(_bar(bars, FREE, 0, 0, STAGES), count=1)
+    bias = _bias(tb, lo, True, HAS_BIAS)  # (each block's loaded a block ahead, while a product runs)
+    s_next = _qk(q_smem, k_bufs, bars, s0, 1, STAGES)
+    bias_next = _bias(tb, lo + BLOCK_N, True, HAS_BIAS)
+    p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
+    acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, 0, STAGES, PART, O_PARTS)
+    s = warpgroup_mma_wait(O_PARTS, deps=(s_next, ))
+    mbarrier.arrive(_bar(bars, FREE, 0, 1, STAGES), count=1)
+    bias = bias_next
+    for i in range(1, n_blocks - 1):
+        s_next = _qk(q_smem, k_bufs, bars, s0, i + 1, STAGES)
+        bias_next = _bias(tb, lo + (i + 1) * BLOCK_N, True, HAS_BIAS)
+        p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
+        acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, i, STAGES, PART, O_PARTS)
+        s = warpgroup_mma_wait(O_PARTS, deps=(s_next, ))
+        mbarrier.arrive(_bar(bars, FREE, 0, (i + 1) % STAGES, STAGES), count=1)
+        mbarrier.arrive(_bar(bars, FREE, 1, (i - 1) % STAGES, STAGES), count=1)
+        bias = bias_next
+    last = n_blocks - 1
+    p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
+    acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, last, STAGES, PART, O_PARTS)
+    if O_PARTS == 1:
+        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+    else:
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+    mbarrier.arrive(_bar(bars, FREE, 1, (last - 1) % STAGES, STAGES), count=1)
+    mbarrier.arrive(_bar(bars, FREE, 1, last % STAGES, STAGES), count=1)
+    return acc0, acc1
+
+
+@gluon.jit
+def _attend_blocks(q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo, n_blocks,
                    scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HSTU: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, S_LAYOUT: gl.constexpr,
@@ -143,45 +251,43 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_
         tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=row_layout)
         tb = tb_ptr + gl.expand_dims(tb_rows.to(gl.int64) * stride_tb, 1) + gl.expand_dims(offs_n, 0)  # [64, BN]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    for i in range(n_blocks):
-        stage = i % STAGES
-        k = k_bufs.index(stage)
-        v = v_bufs.index(stage)
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k.permute((1, 0)), s0, use_acc=False, is_async=True)
-        if HAS_BIAS:  # (loaded while the product runs)
-            bias = gl.load(tb + lo + i * BLOCK_N)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        if HSTU:
-            h = s * (scale * 0.5)
-            if HAS_BIAS:
-                if CAND_TILES:
-                    h = h + gl.expand_dims(bias, 0)
-                else:
-                    h = h + bias
-            p = h + h * _tanh(h)
-        else:
-            x = s * (scale * LOG2E)
-            m_new = gl.maximum(m_i, gl.max(x, axis=1))
-            if gl.max(m_new - m_i, axis=0) > RESCALE_AT:  # (else every row's weights stay below 2^RESCALE_AT)
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                m_i = m_new
-                alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
-                acc0 = acc0 * alpha_o
-                if O_PARTS == 2:
-                    acc1 = acc1 * alpha_o
-            p = gl.exp2(x - gl.expand_dims(m_i, 1))
-            l_i = l_i + gl.sum(p, axis=1)
-        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        if O_PARTS == 1:
-            acc0 = warpgroup_mma(p, v, acc0, is_async=True)
-            acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
-        else:
-            acc0 = warpgroup_mma(p, v.slice(0, PART, dim=1), acc0, is_async=True)
-            acc1 = warpgroup_mma(p, v.slice(PART, PART, dim=1), acc1, is_async=True)
+    if HSTU and HEAD_DIM >= OVERLAP_FROM:
+        if n_blocks > 1:  # block i's SiLU while block i + 1's QK product runs; block i's P.V runs on into i + 1's
+            acc0, acc1 = _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blocks, scale,
+                                          p_layout, BLOCK_N, STAGES, HAS_BIAS, CAND_TILES, PART, O_PARTS)
+        elif n_blocks == 1:
+            s = warpgroup_mma_wait(0, deps=(_qk(q_smem, k_bufs, bars, s0, 0, STAGES), ))
+            mbarrier.arrive(_bar(bars, FREE, 0, 0, STAGES), count=1)
+            p = _hstu_weights(s, _bias(tb, lo, True, HAS_BIAS), scale, HAS_BIAS, CAND_TILES)
+            acc0, acc1 = _pv(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_bufs, bars, acc0, acc1, 0, STAGES,
+                             PART, O_PARTS)
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-        mbarrier.arrive(free.index(stage), count=1)
+            mbarrier.arrive(_bar(bars, FREE, 1, 0, STAGES), count=1)
+    else:  # one block after the other (softmax's rescale reads the accumulator, so no P.V may run on)
+        for i in range(n_blocks):
+            s = _qk(q_smem, k_bufs, bars, s0, i, STAGES)
+            bias = _bias(tb, lo + i * BLOCK_N, True, HAS_BIAS)  # (loaded while the product runs)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(_bar(bars, FREE, 0, i % STAGES, STAGES), count=1)
+            if HSTU:
+                p = _hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES)
+            else:
+                x = s * (scale * LOG2E)
+                m_new = gl.maximum(m_i, gl.max(x, axis=1))
+                if gl.max(m_new - m_i, axis=0) > RESCALE_AT:  # (else every row's weights stay below 2^RESCALE_AT)
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha
+                    m_i = m_new
+                    alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+                    acc0 = acc0 * alpha_o
+                    if O_PARTS == 2:
+                        acc1 = acc1 * alpha_o
+                p = gl.exp2(x - gl.expand_dims(m_i, 1))
+                l_i = l_i + gl.sum(p, axis=1)
+            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, i, STAGES, PART, O_PARTS)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            mbarrier.arrive(_bar(bars, FREE, 1, i % STAGES, STAGES), count=1)
 
     # The partial: HSTU's over N, softmax's over its running sum (the split merge weighs it by m_i and l_i).
     if HSTU:
@@ -245,23 +351,20 @@ def hopper_kernel(
     q_smem.store(q)
     k_bufs = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
     v_bufs = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=1)
+    bars = gl.allocate_shared_memory(gl.int64, [4 * STAGES, 1], mbarrier.MBarrierLayout())  # (_bar)
+    for b in gl.static_range(4 * STAGES):
+        mbarrier.init(bars.index(b), count=1)
     fence_async_shared()  # q's store and the barriers' init before the async proxy (wgmma, TMA) reads them
 
     gl.warp_specialize([
-        (_attend_blocks, (q_smem, k_bufs, v_bufs, ready, free, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo,
+        (_attend_blocks, (q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo,
                           n_blocks, scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
                           BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, S_LAYOUT, O_LAYOUT, O_PARTS)),
-        (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, ready, free, page_lo, lo, n_blocks, head,
+        (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, bars, page_lo, lo, n_blocks, head,
                         PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
     ], [1], [LOADER_REGS])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(free.index(s))
+    for b in gl.static_range(4 * STAGES):
+        mbarrier.invalidate(bars.index(b))
 
 
 # ------------------------------------------------------------------------------------------------ configs

@@ -303,6 +303,59 @@ def test_a_launch_compiles_exactly_what_the_static_report_describes():
         assert r["same"], r
 
 
+_OVERLAP_CHECK = """
+import json, subprocess, tempfile, os
+from triton.backends.nvidia.compiler import get_ptxas
+from relaygr_engine.bench.ptxas_hopper import compile_hopper
+from relaygr_engine.bench.sass import disassemble, _loops
+for d in (64, 128, 256):
+    kernel = compile_hopper(d, hstu=True, cand=True, page_size=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        open(os.path.join(tmp, "k.ptx"), "w").write(kernel.asm["ptx"])
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    code = disassemble(kernel.asm["cubin"])
+    first, last = max(_loops(code), key=lambda span: sum("GMMA" in t for a, t, *_ in code if span[0] <= a <= span[1]))
+    order = [t.split()[0] for a, t, *_ in code if first <= a <= last
+             and t.split()[0].split(".")[0] in ("HGMMA", "MUFU", "WARPGROUP")]
+    print(json.dumps(dict(d=d, order=order, serialized="serialized" in info.stdout + info.stderr)))
+"""
+
+
+def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_128():
+    """Static, no GPU: from head dim 128 (``_hopper.OVERLAP_FROM``) the HSTU key loop of the sm_90 kernel issues
+    the next block's QK ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them,
+    then issues the P.V products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it would where
+    another instruction read an accumulator in flight). At head dim 64 (three programs an SM, too few registers for
+    two blocks' scores) it waits for the QK product before the SiLU, as before. (In its own process, without the
+    interpreter.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _OVERLAP_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["d"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    for d, r in rows.items():
+        assert not r["serialized"], r
+        order = r["order"]
+        first_wait = next(i for i, op in enumerate(order) if op.startswith("WARPGROUP.DEPBAR"))
+        before = order[:first_wait]
+        qk = next(op for op in order if op.startswith("HGMMA"))  # (64 x BLOCK_N; P.V's are 64 x 128 or 64 x D)
+        if d >= 128:  # QK products, then the SiLU's tanh, then the P.V products, all before the one wait
+            tanh = [i for i, op in enumerate(order) if op == "MUFU.TANH"]
+            assert tanh and tanh[-1] < first_wait
+            assert order.index(qk) < tanh[0]  # (the scheduler may interleave the last products with the tanh)
+            assert min(i for i, op in enumerate(order) if op.startswith("HGMMA") and op != qk) > tanh[-1]
+            assert sum(op.startswith("WARPGROUP.DEPBAR") for op in order) == 1
+        else:  # waits for the QK product before its tanh
+            assert "MUFU.TANH" not in before
+
+
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
     """``sass._skippable``: instructions a predicated forward branch jumps over inside the loop body; not an
     unconditional one, nor one leaving the loop (a barrier wait's retry placed after it)."""
