@@ -15,18 +15,22 @@
 # A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
 # files: one call, its timeout_s about 560, of
 #   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
-# with, in order of what is least known and most asked (as of 2026-11-26, after a run of the first calls below:
-# benchmarks/results/gpu-h100-2026-11-26/; the first steps compile the kernels' variants for the later ones, which
-# find them in Triton's cache), two calls back to back (a warm machine is given back 30 s after a call):
-#   1. STEPS="env tests-gpu sanitize-kv8 kernels-d256 ncu"  (DEADLINE_S=480: pytest -m gpu after the fixes of
-#      2026-11-26; where the kernel's 8-bit read faults; the long shapes of both modes; what bounds the kernel now)
-#   2. STEPS="profile-graphs-hopper kernels-d64 kernels-d128 kernels-hopper-softmax"  (DEADLINE_S=250 on what is
-#      left)
-#   3. STEPS="tests-cuda ncu-kernel profile-graphs rank"  (the whole suite on the GPU machine)
+# with, in order of what is least known and most asked (as of 2026-11-26, after two sessions' runs:
+# benchmarks/results/gpu-h100-2026-11-26{,b}/; the first steps compile the kernels' variants for the later ones, which
+# find them in Triton's cache), two calls back to back (a warm machine is given back 30 s after a call: have the
+# second command ready):
+#   1. STEPS="env tests-hopper-twin tests-hopper kernels-hopper-rank kernels-hopper sanitize-kv8"  (DEADLINE_S=480:
+#      the sm_90 kernel's HSTU loop overlapped since 2026-11-26b, right (its steps' own limits bound a hang) and
+#      how fast, a ranking layer and the long shapes; where the 8-bit read faults, int8 too)
+#   2. STEPS="tests-cuda rank-hopper"  (DEADLINE_S on what is left: the whole suite on the GPU machine, pytest -m gpu
+#      included, 523 tests in 109 s on 2026-11-23; then a ranking on the sm_90 kernel)
+#   3. STEPS="ncu-kernel profile-graphs rank kernels-hopper-softmax"
 #   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
-#   5+. STEPS=slo-seeds SLO_SEEDS=<one seed per call> SLO_ARGS=--quick  (the quick settings where a call is short)
+#   5+. one session's whole device time for one seed: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=540
+#      (never run at this shape: its length is unknown)
 # Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
-# rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype.
+# rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; and in the second
+# run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper.
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
