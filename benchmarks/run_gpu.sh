@@ -137,18 +137,20 @@ step kernels-vsplits 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256
 step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hstu \
     --shape B=1,P=3968,n=128,C=256,H=4,D=256 --value-splits 1,2 --block-m 128,64 --json "${OUT_DIR}/kernels-vsplits-rank.json"
 # The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (kernels/_hopper.py, Gluon;
-# opt-in, never run on a GPU before): first whether it is right (its CUDA tests: against its torch twin, then the
+# opt-in; first run 2026-11-26: right, not faster; its HSTU loop overlapped since 2026-11-26b, `--hopper-overlap
+# auto,no` timing the overlapped and the sequential loop in one run): first whether it is right (its CUDA tests: against its torch twin, then the
 # reference within bf16 tolerance, eagerly and in a graph), then beside the portable kernel in one run: the long
 # head-dim-256 HSTU shapes (matmul_fraction_long_hstu_hopper beside matmul_fraction_long_hstu), one ranking layer at
 # NVIDIA's shape, the softmax shapes at every head dim (matmul_fraction_long_softmax_hopper); a whole ranking with it.
 step tests-hopper-twin 150 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -k twin -p no:cacheprovider
 step tests-hopper 330 $PY -m pytest -q -rs -m gpu python_tests/test_hopper.py -p no:cacheprovider
 step kernels-hopper 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --head-dims 256 --hopper-kernel no,yes \
+    --hopper-overlap auto,no \
     --json "${OUT_DIR}/kernels-hopper.json"
 step kernels-hopper-softmax 500 $PY -m relaygr_engine.cli bench kernels --modes softmax --hopper-kernel no,yes \
     --json "${OUT_DIR}/kernels-hopper-softmax.json"
 step kernels-hopper-rank 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \
-    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --hopper-kernel no,yes --splits auto,11,16 \
+    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --hopper-kernel no,yes --hopper-overlap auto,no --splits auto,11,16 \
     --json "${OUT_DIR}/kernels-hopper-rank.json"
 step rank-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY -m relaygr_engine.cli bench rank --device cuda \
     --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs \

@@ -37,6 +37,7 @@ memory), and checked against the torch reference on a GPU only (``python_tests/t
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -55,9 +56,10 @@ SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
 # overflow), and a block skips the rescale's D / 2 multiplies a thread (a third of the loop's code at head dim 256).
 # The stored (m, l) pair merges the same.
 RESCALE_AT = gl.constexpr(8.0)
-# HSTU overlaps a block's SiLU with the next block's QK product from this head dim on: below, the two blocks' scores
-# (and a history tile's biases) do not fit the registers that three programs an SM leave (at 64: spills).
-OVERLAP_FROM = gl.constexpr(128)
+# HSTU overlaps a block's SiLU with the next block's QK product from this head dim on (:func:`overlaps`): below, the
+# two blocks' scores (and a history tile's biases) do not fit the registers that three programs an SM leave (at 64:
+# spills).
+OVERLAP_FROM = 128
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
 
 
@@ -226,7 +228,7 @@ def _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blo
 def _attend_blocks(q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo, n_blocks,
                    scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HSTU: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, S_LAYOUT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, OVERLAP: gl.constexpr, S_LAYOUT: gl.constexpr,
                    O_LAYOUT: gl.constexpr, O_PARTS: gl.constexpr):
     """The compute warp group: the key blocks' weighted values in fp32, stored as this split's partial ``[64, D]``
     of the head. HSTU: ``sum_j SiLU(q.k_j scale + bias_j) v_j``, ``SiLU`` as ``h + h tanh(h)`` of ``h`` halved
@@ -251,7 +253,7 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_
         tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=row_layout)
         tb = tb_ptr + gl.expand_dims(tb_rows.to(gl.int64) * stride_tb, 1) + gl.expand_dims(offs_n, 0)  # [64, BN]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    if HSTU and HEAD_DIM >= OVERLAP_FROM:
+    if HSTU and OVERLAP:
         if n_blocks > 1:  # block i's SiLU while block i + 1's QK product runs; block i's P.V runs on into i + 1's
             acc0, acc1 = _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blocks, scale,
                                           p_layout, BLOCK_N, STAGES, HAS_BIAS, CAND_TILES, PART, O_PARTS)
@@ -332,6 +334,7 @@ def hopper_kernel(
     num_heads, num_splits, split_len, total_q, stride_qt, stride_qh, stride_tb, scale, inv_norm,
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HSTU: gl.constexpr, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr,
+    OVERLAP: gl.constexpr,                            # HSTU: block i's SiLU beside block i + 1's QK (overlaps())
     M_PARTS: gl.constexpr,                            # programs per tile: its rows in parts of 64
     Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     O_PARTS: gl.constexpr,                            # accumulators of D / O_PARTS value columns (2 above D = 128)
@@ -359,7 +362,8 @@ def hopper_kernel(
     gl.warp_specialize([
         (_attend_blocks, (q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo,
                           n_blocks, scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
-                          BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, S_LAYOUT, O_LAYOUT, O_PARTS)),
+                          BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, OVERLAP, S_LAYOUT, O_LAYOUT,
+                          O_PARTS)),
         (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, bars, page_lo, lo, n_blocks, head,
                         PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
     ], [1], [LOADER_REGS])
@@ -374,6 +378,15 @@ def hopper_kernel(
 # 227 KB): head dim 64 three (80 registers, 57 KB), 128 two (128, 82 KB), 256 two (128, 98 KB: 32-key blocks).
 # Static figures (``relaygr bench ptxas --hopper``): no spill at these with Triton 3.6 or 3.9.
 CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
+
+
+def overlaps(head_dim: int, hstu: bool, setting: Optional[bool] = None) -> bool:
+    """Whether a launch runs HSTU's overlapped key loop (the ``OVERLAP`` constexpr): from head dim
+    :data:`OVERLAP_FROM` on, unless ``setting`` says (False: the sequential loop, e.g. to time the two in one run;
+    True below it is refused: it spills there); never for softmax."""
+    if setting and head_dim < OVERLAP_FROM:
+        raise ValueError(f"the overlapped HSTU loop needs head dim >= {OVERLAP_FROM}, got {head_dim}")
+    return hstu and (head_dim >= OVERLAP_FROM if setting is None else setting)
 
 
 @functools.lru_cache(maxsize=None)  # (built once per shape: a launch passes them every call)

@@ -9,6 +9,7 @@ a call that had not asked for it explicitly runs again on the portable kernel al
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Optional
@@ -31,6 +32,20 @@ ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
+_overlap: Optional[bool] = None  # HSTU's overlapped key loop: None by head dim (_hopper.overlaps); see overlap()
+
+
+@contextlib.contextmanager
+def overlap(setting: Optional[bool]):
+    """Within: launches run HSTU's key loop overlapped or not as ``setting`` says (None: by head dim,
+    :func:`~relaygr_engine.kernels._hopper.overlaps`), to time the two in one run (``relaygr bench kernels
+    --hopper-overlap auto,no``). Not for serving: CUDA graphs captured within keep the loop they captured."""
+    global _overlap
+    previous, _overlap = _overlap, setting
+    try:
+        yield
+    finally:
+        _overlap = previous
 
 
 class LaunchError(RuntimeError):
@@ -205,7 +220,8 @@ def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
             tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
-            CAND_TILES=cand, M_PARTS=parts, **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
+            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap), M_PARTS=parts,
+            **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
     global _launches
     _launches += 1
 

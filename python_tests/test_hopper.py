@@ -308,8 +308,12 @@ import json, subprocess, tempfile, os
 from triton.backends.nvidia.compiler import get_ptxas
 from relaygr_engine.bench.ptxas_hopper import compile_hopper
 from relaygr_engine.bench.sass import disassemble, _loops
-for d in (64, 128, 256):
-    kernel = compile_hopper(d, hstu=True, cand=True, page_size=64)
+from relaygr_engine.kernels import _hopper_launch as HL
+from relaygr_engine.bench.ptxas_hopper import compile_launch
+for d, setting in ((64, None), (128, None), (256, None), (256, False)):
+    kernel = compile_hopper(d, hstu=True, cand=True, page_size=64, overlap=setting)
+    with HL.overlap(setting):  # a launch within the switch compiles the same loop
+        same = compile_launch(d, hstu=True, cand=True)[0].asm["cubin"] == kernel.asm["cubin"]
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "k.ptx"), "w").write(kernel.asm["ptx"])
         info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
@@ -318,16 +322,18 @@ for d in (64, 128, 256):
     first, last = max(_loops(code), key=lambda span: sum("GMMA" in t for a, t, *_ in code if span[0] <= a <= span[1]))
     order = [t.split()[0] for a, t, *_ in code if first <= a <= last
              and t.split()[0].split(".")[0] in ("HGMMA", "MUFU", "WARPGROUP")]
-    print(json.dumps(dict(d=d, order=order, serialized="serialized" in info.stdout + info.stderr)))
+    print(json.dumps(dict(d=d, overlap=setting, same=same, order=order,
+                          serialized="serialized" in info.stdout + info.stderr)))
 """
 
 
 def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_128():
     """Static, no GPU: from head dim 128 (``_hopper.OVERLAP_FROM``) the HSTU key loop of the sm_90 kernel issues
     the next block's QK ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them,
-    then issues the P.V products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it would where
-    another instruction read an accumulator in flight). At head dim 64 (three programs an SM, too few registers for
-    two blocks' scores) it waits for the QK product before the SiLU, as before. (In its own process, without the
+    then issues the P.V products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it
+    would where another instruction read an accumulator in flight). At head dim 64 (three programs an SM, too few
+    registers for two blocks' scores), and at 256 within ``_hopper_launch.overlap(False)`` (where a launch
+    compiles the same binary), it waits for the QK product before the SiLU. (In its own process, without the
     interpreter.)"""
     import json
     import os
@@ -339,21 +345,29 @@ def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_
     proc = subprocess.run([sys.executable, "-c", _OVERLAP_CHECK], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["d"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
-    for d, r in rows.items():
-        assert not r["serialized"], r
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4
+    for r in rows:
+        d = r["d"]
+        assert not r["serialized"] and r["same"], r
         order = r["order"]
         first_wait = next(i for i, op in enumerate(order) if op.startswith("WARPGROUP.DEPBAR"))
         before = order[:first_wait]
         qk = next(op for op in order if op.startswith("HGMMA"))  # (64 x BLOCK_N; P.V's are 64 x 128 or 64 x D)
-        if d >= 128:  # QK products, then the SiLU's tanh, then the P.V products, all before the one wait
+        if d >= 128 and r["overlap"] is None:  # QK products, the SiLU's tanh, the P.V products, then one wait
             tanh = [i for i, op in enumerate(order) if op == "MUFU.TANH"]
             assert tanh and tanh[-1] < first_wait
             assert order.index(qk) < tanh[0]  # (the scheduler may interleave the last products with the tanh)
             assert min(i for i, op in enumerate(order) if op.startswith("HGMMA") and op != qk) > tanh[-1]
             assert sum(op.startswith("WARPGROUP.DEPBAR") for op in order) == 1
-        else:  # waits for the QK product before its tanh
+        else:  # waits for the QK product before its tanh (head dim 64; 256 switched off: _hopper_launch.overlap)
             assert "MUFU.TANH" not in before
+    from relaygr_engine.kernels import _hopper as H
+
+    assert [H.overlaps(d, True) for d in (64, 128, 256)] == [False, True, True] and not H.overlaps(256, False)
+    assert not H.overlaps(256, True, False)
+    with pytest.raises(ValueError, match="head dim >= 128"):
+        H.overlaps(64, True, True)
 
 
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
@@ -395,6 +409,16 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
                         row(True, 1.0, 0.8, "softmax")], device="cuda", dtype="bfloat16")
     assert (both["matmul_fraction_long_softmax"], both["matmul_fraction_long_softmax_hopper"]) == (0.2, 0.8)
     assert (both["matmul_fraction_long_hstu"], both["matmul_fraction_long_hstu_hopper"]) == (0.25, 0.5)
+    # --hopper-overlap auto,no: the sm_90 kernel's HSTU loop sequential in rows of their own (hk column "s"), kept
+    # out of hopper_yes and the _hopper fraction, in geomean_ms_hopper_overlap_{auto,no} and the _hopper_seq fraction
+    seq = dict(row(True, 3.0, 0.4), hopper_overlap=False)
+    ab = S.summarize([row(False, 2.0, 0.25), dict(row(True, 1.0, 0.5), hopper_overlap=None), seq], device="cuda",
+                     dtype="bfloat16")
+    assert (ab["geomean_ms_hopper_no"], ab["geomean_ms_hopper_yes"]) == (2.0, 1.0)
+    assert (ab["geomean_ms_hopper_overlap_auto"], ab["geomean_ms_hopper_overlap_no"]) == pytest.approx((1.0, 3.0))
+    assert (ab["matmul_fraction_long_hstu_hopper"], ab["matmul_fraction_long_hstu_hopper_seq"]) == pytest.approx(
+        (0.5, 0.4))
+    assert S.row_line(seq).split()[7] == "s" and "geomean_ms_hopper_overlap_no" not in summary
     from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
 
     key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)

@@ -167,7 +167,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
               splits: Optional[int] = None, value_splits: Optional[int] = None,
               concurrent_tiles: Optional[bool] = None, split_dtype: Optional[torch.dtype] = None,
-              hopper_kernel: bool = False) -> dict:
+              hopper_kernel: bool = False, hopper_overlap: Optional[bool] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
@@ -178,7 +178,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
     the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None).
-    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``)."""
+    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``); ``hopper_overlap``:
+    its HSTU key loop overlapped or not (None: by head dim; :func:`~relaygr_engine.kernels._hopper_launch.overlap`),
+    the row's ``hopper_overlap`` (only where the sm_90 kernel runs)."""
+    from relaygr_engine.kernels import _hopper_launch as HL
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import split_dtype as partials_dtype
     from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
@@ -203,12 +206,13 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                                    value_splits=value_splits, concurrent_tiles=concurrent_tiles,
                                                    hopper_dim=shape.head_dim if hopper_kernel else 0)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
-    out = run(args, kw, plan)
+    with HL.overlap(hopper_overlap):  # (the paged problem's result and time: what the row's loop setting is about)
+        out = run(args, kw, plan)
+        t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
     base = base.transpose(1, 2).reshape(out.shape)
     err = float((out.float() - base.float()).abs().max())
 
-    t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
     chosen = autotuned_choices()
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
     both = page_reads == "auto" and tma_device(device)
@@ -223,6 +227,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
     row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
                value_splits=value_splits, concurrent=concurrent, hopper_kernel=hopper_kernel,
+               **({"hopper_overlap": hopper_overlap} if hopper_kernel else {}),
                split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
                time_ms=t_paged * 1e3,
                tflops=flops / t_paged / 1e12,
@@ -308,6 +313,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="tiles' full cached blocks on the warp-specialised sm_90 kernel (yes; HSTU and softmax) "
                          "or the portable one (no): comma-separated to compare, e.g. no,yes (yes: an sm_90 GPU "
                          "only)")
+    ap.add_argument("--hopper-overlap", default="auto",
+                    help="with --hopper-kernel yes, its HSTU key loop overlapped (auto: from head dim 128) or one "
+                         "block after the other (no): comma-separated to compare in one run, e.g. auto,no")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -350,6 +358,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     hoppers = _choices(ap, "--hopper-kernel", opts.hopper_kernel, {"no": False, "yes": True})
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
+    overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False})
+    if overlaps != [None] and True not in hoppers:
+        ap.error("--hopper-overlap compares the sm_90 kernel's loops: it needs --hopper-kernel yes")
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
@@ -366,12 +377,14 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    for shape, block_m, n_splits, n_v, cc, sd, hk in itertools.product(shapes, block_ms, splits, v_splits,
-                                                                       concurrent, split_dtypes, hoppers):
+    runs = [(hk, ov) for hk in hoppers for ov in (overlaps if hk else [None])]
+    for shape, block_m, n_splits, n_v, cc, sd, (hk, ov) in itertools.product(shapes, block_ms, splits, v_splits,
+                                                                             concurrent, split_dtypes, runs):
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,
-                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd, hopper_kernel=hk)
+                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd, hopper_kernel=hk,
+                          hopper_overlap=ov)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2

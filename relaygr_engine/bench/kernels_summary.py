@@ -15,8 +15,8 @@ NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
         "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
-        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y) or the portable one (n). On CUDA "
-        "every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s: its HSTU loop one block after "
+        "the other) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -42,7 +42,7 @@ def row_line(r: dict) -> str:
     line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
             f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
             f"{r.get('split_dtype') or '-':>4} "
-            f"{'-' if 'hopper_kernel' not in r else 'ny'[bool(r['hopper_kernel'])]:>2} "
+            f"{_hopper_cell(r):>2} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
             f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
@@ -52,6 +52,13 @@ def row_line(r: dict) -> str:
         line += (f" {100 * r['matmul_fraction']:>7.1f}% "
                  f"{(_fmt(fi) + 'x') if fi is not None else r['flashinfer_note'][:13]:>13}")
     return line
+
+
+def _hopper_cell(r: dict) -> str:
+    """The ``hk`` column: n (the portable kernel), y (the sm_90 kernel), s (its HSTU loop sequential), - (not said)."""
+    if "hopper_kernel" not in r:
+        return "-"
+    return "s" if r.get("hopper_overlap") is False else "ny"[bool(r["hopper_kernel"])]
 
 
 def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "model") -> dict:
@@ -81,7 +88,11 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
-    summary.update(_geomean_by(rows, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
+    # (the sm_90 kernel as it runs by default in hopper_yes; its HSTU loop forced sequential apart, where compared)
+    usual = [r for r in rows if r.get("hopper_overlap") is not False]
+    summary.update(_geomean_by(usual, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
+    summary.update(_geomean_by(rows, "hopper_overlap", lambda ov: f"hopper_overlap_{'no' if ov is False else 'auto'}",
+                               keep_none=True))
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
@@ -89,19 +100,24 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
         for m, hk in itertools.product(modes, (False, True)):
-            picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk]
+            picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk
+                      and r.get("hopper_overlap") is not False]
             if picked or not hk:
                 summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
+            seq = [r["matmul_fraction"] for r in long if r["mode"] == m and r.get("hopper_overlap") is False]
+            if hk and seq:  # (its HSTU loop one block after the other: --hopper-overlap no)
+                summary[f"matmul_fraction_long_{m}_hopper_seq"] = _geo(seq)
     return summary
 
 
 def _geomean_by(rows: list[dict], field: str, name, keep_none: bool = False) -> dict:
     """``geomean_ms_<name(value)>`` for each value of ``field`` over ``rows`` (rows without it, or with None unless
     ``keep_none``, left out; None sorts first), where the rows hold more than one value; else nothing."""
-    values = {r.get(field) for r in rows if keep_none or r.get(field) is not None}
+    rows = [r for r in rows if field in r]
+    values = {r[field] for r in rows if keep_none or r[field] is not None}
     if len(values) < 2:
         return {}
-    return {f"geomean_ms_{name(v)}": _geo([r["time_ms"] for r in rows if r.get(field) == v])
+    return {f"geomean_ms_{name(v)}": _geo([r["time_ms"] for r in rows if r[field] == v])
             for v in sorted(values, key=lambda v: (v is not None, v or 0))}
 
 
