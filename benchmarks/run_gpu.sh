@@ -19,11 +19,12 @@
 # benchmarks/results/gpu-h100-2026-11-26{,b}/; the first steps compile the kernels' variants for the later ones, which
 # find them in Triton's cache), two calls back to back (a warm machine is given back 30 s after a call: have the
 # second command ready):
-#   1. STEPS="env tests-hopper-twin tests-hopper kernels-hopper-rank kernels-hopper sanitize-kv8"  (DEADLINE_S=480:
-#      the sm_90 kernel's HSTU loop overlapped since 2026-11-26b, right (its steps' own limits bound a hang) and
-#      how fast, a ranking layer and the long shapes; where the 8-bit read faults, int8 too)
-#   2. STEPS="tests-cuda rank-hopper"  (DEADLINE_S on what is left: the whole suite on the GPU machine, pytest -m gpu
-#      included, 523 tests in 109 s on 2026-11-23; then a ranking on the sm_90 kernel)
+#   1. STEPS="env tests-hopper-twin tests-hopper kernels-hopper-rank kernels-hopper"  (DEADLINE_S=480: the sm_90
+#      kernel's HSTU loop overlapped since 2026-11-26b, right (its steps' own limits bound a hang) and how fast
+#      beside the sequential loop in the same run (--hopper-overlap auto,no), a ranking layer and the long shapes)
+#   2. STEPS="tests-cuda sanitize-kv8 rank-hopper"  (DEADLINE_S on what is left: the whole suite on the GPU machine,
+#      pytest -m gpu included, 523 tests in 109 s on 2026-11-23; where the 8-bit read faults, int8 too; a ranking on
+#      the sm_90 kernel)
 #   3. STEPS="ncu-kernel profile-graphs rank kernels-hopper-softmax"
 #   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 #   5+. one session's whole device time for one seed: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=540
