@@ -27,8 +27,9 @@
 #      the sm_90 kernel)
 #   3. STEPS="ncu-kernel profile-graphs rank kernels-hopper-softmax"
 #   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
-#   5+. one session's whole device time for one seed: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=540
-#      (never run at this shape: its length is unknown)
+#   5+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
+#      at this shape: its length is unknown; a seed cut short resumes in a later call from its points.jsonl, its
+#      folder copied back into OUT_DIR/slo-seeds first)
 # Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
 # rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; and in the second
 # run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper.
@@ -237,10 +238,12 @@ step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --
 # slo-seeds folder (copy the earlier seeds' folders back in first), then summarise them anywhere, no GPU needed:
 # relaygr bench seeds OUT_DIR/slo-seeds (it refuses runs whose settings differ other than in their seed).
 # SLO_ARGS: more options for every seed (e.g. --quick; give the same to each call: the summary checks it).
+# --resume: a seed cut short by the call's deadline keeps every point it measured (slo-seeds/seedN/points.jsonl,
+# written as each finishes); copy its folder back in the same way and the next call serves only the points left.
 SLO_SEEDS=${SLO_SEEDS:-0,1,2}
 SLO_ARGS=${SLO_ARGS:-}
 step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nvidia-hstu --seeds "${SLO_SEEDS}" \
-    ${SLO_ARGS} --no-progress --out "${OUT_DIR}/slo-seeds"
+    ${SLO_ARGS} --no-progress --resume --out "${OUT_DIR}/slo-seeds"
 # The whole suite: on a CUDA machine the interpreter tests skip and the CUDA ones (marked gpu) run. No network there:
 # the packaging tests (a fresh virtual environment) are left out.
 step tests-cuda 900 $PY -m pytest -q -rs ${xdist} -m "not packaging" python_tests -p no:cacheprovider

@@ -30,6 +30,7 @@ This module holds the command line (options, their checks, :func:`main`); the ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -162,6 +163,10 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
                        help="the quick settings (a few minutes) for every option above that is not given")
     g = ap.add_argument_group("output")
     g.add_argument("--out", default="reports/slo", help="report directory")
+    g.add_argument("--resume", action="store_true",
+                   help="continue a run of the same settings cut short in --out: its calibration and measured "
+                        "points (points.jsonl, kept as each finishes) are taken back, only the others are served "
+                        "(a usage error where the file's settings differ)")
     g.add_argument("--json", help="also write the report JSON here")
     g.add_argument("--no-plots", action="store_true", help="write the report without its plots (no matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -208,6 +213,29 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         require_modules(parser, ["matplotlib"], "bench", "drawing the report's plots (--no-plots skips them)")
     if _wants_progress(args):
         require_modules(parser, ["tqdm"], "bench", "the progress bar (--no-progress skips it)")
+    _check_points(parser, args)
+
+
+def _check_points(parser: argparse.ArgumentParser, args) -> None:
+    """Each run directory's kept points (:mod:`~relaygr_engine.bench.slo_points`: a run cut short resumes from them)
+    must be a run's of the same settings: else a usage error naming the file, before any work."""
+    import copy
+
+    from .slo_points import PointLog
+    from .slo_run import _settings
+
+    runs = [(args.out, args)]
+    if args.seeds:
+        from .seeds import parse_seeds
+
+        runs = [(os.path.join(args.out, f"seed{s}"), copy.copy(args)) for s in parse_seeds(args.seeds)]
+        for (_, a), s in zip(runs, parse_seeds(args.seeds)):
+            a.seed = s
+    for out, a in runs if args.resume else ():
+        try:
+            PointLog(out, _settings(a))
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def load_checked_log(parser: argparse.ArgumentParser, args) -> tuple[InteractionLog, str]:

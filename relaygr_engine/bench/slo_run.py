@@ -18,6 +18,7 @@ import numpy as np
 
 from . import report as rpt
 from . import slo_setup, slo_workers
+from .slo_points import PointLog
 from .common import exceed_count
 from .serving import BaselineImpl, cpu_timer_valid, service_clock, simulate
 from .slo_output import (METHOD, Console, _fmt_load, _headline, _notes, _prefill_line, _ratio, _verdict,
@@ -87,9 +88,10 @@ class _Bench:
     """Everything one benchmark run shares: model, latency model, workloads, options, progress bar."""
 
     def __init__(self, args, log: InteractionLog, model, latency_model, console: "Console",
-                 timer=time.perf_counter) -> None:
+                 timer=time.perf_counter, points: Optional[PointLog] = None) -> None:
         self.args, self.log, self.model, self.lat, self.console = args, log, model, latency_model, console
         self.timer = timer
+        self.points = points  # (finished points, kept on disk: a rerun serves only the others)
         self._workloads: dict = {}
 
     def workload(self, base_length: Optional[int] = None) -> Workload:
@@ -134,6 +136,23 @@ class _Bench:
         res = simulate(workers, w, qps, mode=mode, timer=self.timer, progress=self.console.bar, stop_over=stop,
                        batch=slo_workers.batch_policy(self.args))
         return summarize(res)
+
+    def kept(self, kind: str, mode: str, qps: float, base_length: Optional[int], measure):
+        """``measure()``'s value for this point, or the value an earlier run of the same settings kept for it;
+        a measured value is kept (on disk at once) before it is returned."""
+        if self.points is not None:
+            got = self.points.get(kind, mode, qps, base_length)
+            if got is not None:
+                return got
+        value = measure()
+        if self.points is not None:
+            self.points.put(value, kind, mode, qps, base_length)
+        return value
+
+    def judge_kept(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = ""):
+        """:meth:`judge`, or what an earlier run of the same settings judged at this point."""
+        got = self.kept("judge", mode, qps, base_length, lambda: list(self.judge(mode, qps, base_length, label)))
+        return bool(got[0]), got[1]
 
     def judge(self, mode: str, qps: float, base_length: Optional[int] = None, label: str = "") -> tuple[bool, dict]:
         """Whether P99 <= SLO at one point: one run, plus ``--repeats - 1`` more when its P99 lies within
@@ -205,8 +224,16 @@ def run(args, log: InteractionLog, source: str) -> dict:
     out.say(f"workload: {source}")
     t0 = time.perf_counter()
     timer, timer_name = _timer(args)
-    lat = calibrate_latency(model, args.candidates, max(args.max_history, args.max_len_hi), args.device,
-                            repeats=5, impl=args.baseline, timer=timer)
+    points = PointLog(args.out, _settings(args), resume=args.resume)  # (checked by check_args: settings agree)
+    if points.latency is not None:  # a run cut short: its calibration, so the searches walk the same points
+        from ..policy import LatencyModel
+
+        lat = LatencyModel.from_dict(points.latency)
+        out.say(f"resuming {points.path}: {len(points)} points measured before, the calibration kept")
+    else:
+        lat = calibrate_latency(model, args.candidates, max(args.max_history, args.max_len_hi), args.device,
+                                repeats=5, impl=args.baseline, timer=timer)
+        points.start(lat.to_dict())
     base_max = lat.max_history_len(args.slo_ms, args.candidates)
     out.say(f"service times: {timer_name}; baseline full inference: {args.baseline} "
          f"({'model.rank_uncached' if args.baseline == 'paged' else 'model.rank_full'})")
@@ -214,7 +241,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
          + ", ".join(f"{lat.predict_ms(L, args.candidates):.1f} ms @{L}" for L in (256, 1024, 2048))
          + f" tokens; longest history within {args.slo_ms:g} ms unloaded ~{base_max}")
 
-    bench = _Bench(args, log, model, lat, out, timer)
+    bench = _Bench(args, log, model, lat, out, timer, points)
     main_wl = bench.at(0.0)  # warm-up + the --requests measured requests every run serves at least
     d = main_wl.describe()
     mean_ms = float(np.mean([lat.predict_ms(int(L), args.candidates)
@@ -240,7 +267,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
 
     def at_qps(m):
         def evaluate(q):
-            ok, s = bench.judge(m, q)
+            ok, s = bench.judge_kept(m, q)
             qpoints[m][q] = s
             out.say(f"  {m:<18} {q:8.3g} QPS  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  busy "
                  f"{s['utilization']:4.0%}  {_verdict(s, args.slo_ms, ok)}")
@@ -258,7 +285,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
     ref_qps = args.ref_qps or 0.5 * (b["best"] or start_qps / 2)
     out.say(f"reference QPS {ref_qps:.3g}")
     for m in modes:
-        s = bench.run(m, ref_qps, label=f"{ref_qps:.3g} QPS (reference)")
+        s = bench.kept("run", m, ref_qps, None, lambda: bench.run(m, ref_qps, label=f"{ref_qps:.3g} QPS (reference)"))
         results[m]["at_ref"] = s
         out.say(f"  {m:<18} @ref p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  busy {s['utilization']:.0%}  "
              f"work {s['work_ms_per_request']:.1f} ms/request  sources {s['sources']}")
@@ -274,7 +301,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
         def at_len(m):
             def evaluate(L):
                 L = int(L)
-                ok, s = bench.judge(m, ref_qps, base_length=L, label=f"L={L}")
+                ok, s = bench.judge_kept(m, ref_qps, base_length=L, label=f"L={L}")
                 lpoints[m][L] = s
                 out.say(f"  {m:<18} L={L:5d}  p50 {s['p50_ms']:8.2f} ms  p99 {s['p99_ms']:8.2f} ms  "
                      f"{_verdict(s, args.slo_ms, ok)}")
@@ -335,7 +362,7 @@ def run(args, log: InteractionLog, source: str) -> dict:
 
 
 # Options that name where a run writes or how it shows progress, not what it measures.
-_OUTPUT_OPTIONS = ("seeds", "out", "json", "no_plots", "no_progress")
+_OUTPUT_OPTIONS = ("seeds", "out", "json", "no_plots", "no_progress", "resume")
 
 
 def _settings(args) -> dict:
