@@ -225,7 +225,8 @@ def run(args, log: InteractionLog, source: str) -> dict:
     t0 = time.perf_counter()
     timer, timer_name = _timer(args)
     points = PointLog(args.out, _settings(args), resume=args.resume)  # (checked by check_args: settings agree)
-    if points.latency is not None:  # a run cut short: its calibration, so the searches walk the same points
+    resumed = points.latency is not None
+    if resumed:  # a run cut short: its calibration, so the searches walk the same points
         from ..policy import LatencyModel
 
         lat = LatencyModel.from_dict(points.latency)
@@ -237,7 +238,8 @@ def run(args, log: InteractionLog, source: str) -> dict:
     base_max = lat.max_history_len(args.slo_ms, args.candidates)
     out.say(f"service times: {timer_name}; baseline full inference: {args.baseline} "
          f"({'model.rank_uncached' if args.baseline == 'paged' else 'model.rank_full'})")
-    out.say(f"calibrated full inference on this model in {time.perf_counter() - t0:.1f}s: "
+    how = "kept from the run resumed" if resumed else f"on this model in {time.perf_counter() - t0:.1f}s"
+    out.say(f"calibrated full inference {how}: "
          + ", ".join(f"{lat.predict_ms(L, args.candidates):.1f} ms @{L}" for L in (256, 1024, 2048))
          + f" tokens; longest history within {args.slo_ms:g} ms unloaded ~{base_max}")
 
