@@ -268,6 +268,21 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
         assert paged[f"hopper_tma_copies_{at}{d}"] == got[f"hopper_tma_copies_{at}{d}"] * (4 if d < 256 else 2)
 
 
+def _static_rows(script: str) -> list:
+    """Run a static-compile ``script`` in its own process, without the interpreter (which would capture the
+    compile); the JSON lines it prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 _LAUNCH_CHECK = """
 import itertools, json
 from relaygr_engine.bench.ptxas_hopper import compile_hopper, compile_launch
@@ -286,17 +301,7 @@ def test_a_launch_compiles_exactly_what_the_static_report_describes():
     identical to the one ``bench ptxas --hopper`` reports on (``compile_hopper``), at each head dim, for 64- and
     16-token pages, HSTU's candidate and history tiles and softmax's: the launch's arguments agree with the
     kernel's signature and specialise as the report assumes. (In its own process, without the interpreter.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _LAUNCH_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = _static_rows(_LAUNCH_CHECK)
     assert len(rows) == 18
     for r in rows:
         assert r["grid"] == [2 * 2 * 4 * 3], r  # 2 tiles of 128 rows (2 programs each) x 4 heads x 3 splits
@@ -335,17 +340,7 @@ def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_
     registers for two blocks' scores), and at 256 within ``_hopper_launch.overlap(False)`` (where a launch
     compiles the same binary), it waits for the QK product before the SiLU. (In its own process, without the
     interpreter.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _OVERLAP_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = _static_rows(_OVERLAP_CHECK)
     assert len(rows) == 4
     for r in rows:
         d = r["d"]
