@@ -159,8 +159,10 @@ def prefix_attention_kernel(
 
         # This split's keys [lo, lo + split_len) of the tile's: the cached prefix, then the new history rows it sees.
         lo = tl.multiple_of(split * split_len, 16)  # split_len is a multiple of every BLOCK_N (SPLIT_ALIGN)
+        first = 0  # the first of the tile's keys this launch takes
         if SKIP_FULL:  # (one program per tile: from the user's last partial block of SKIP_FULL keys on)
-            lo = tl.multiple_of(prefix_len // SKIP_FULL * SKIP_FULL, 16)
+            first = prefix_len // SKIP_FULL * SKIP_FULL
+            lo = tl.multiple_of(first, 16)
         # 1. Its part [lo, hi) of the cached prefix: full blocks unmasked, then the user's last block.
         hi = tl.where(live, tl.minimum(lo + split_len, prefix_len), lo)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
@@ -219,11 +221,12 @@ def prefix_attention_kernel(
                                     DOT_PRECISION, False, FAST_SILU)
 
         # 3. Candidates see themselves: their own rows as a key block whose diagonal only is visible (in the split
-        # holding the tile's last key, the shortest when the keys do not divide evenly).
+        # holding the tile's last key, the shortest when the keys do not divide evenly; with no key of its own to
+        # take, e.g. SKIP_FULL's where the prefix is whole blocks and there is no new history, the first split).
         if CAND_TILES:
             here = live
             if SPLIT:
-                last = tl.maximum(prefix_len + n_end - 1, 0)  # (the splits cover every key: one of them holds it)
+                last = tl.maximum(prefix_len + n_end - 1, first)  # (the splits cover every key: one of them holds it)
                 here = live & (lo <= last) & (last < lo + split_len)
             if here:
                 k, v, t_k = _load_rows(k_ptr, v_ptr, ts_q_ptr, g_rows, row_ok, offs_d, offs_v, k_head, v_head,

@@ -21,7 +21,8 @@ from relaygr_engine.kernels import prefix_attention as pa
 from relaygr_engine.kernels._prefix_config import KernelConfig
 from relaygr_engine.kernels.reference import prefix_attention_ref
 
-USERS = [(45, 20, 9), (16, 3, 0), (0, 7, 5), (33, 0, 17), (64, 2, 3), (100, 1, 40)]
+# (the last: a prefix of whole key blocks and no new history, whose candidates' own key is the rest's only key)
+USERS = [(45, 20, 9), (16, 3, 0), (0, 7, 5), (33, 0, 17), (64, 2, 3), (100, 1, 40), (32, 0, 4)]
 
 
 def stand_in(monkeypatch, launch=None, key_block=16):
@@ -474,7 +475,7 @@ def test_hopper_kernel_matches_the_reference_bf16_cuda(head_dim, mode, page_size
     pages (the engine's default: a key block over several pages)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU (Hopper's wgmma)")
-    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256)]
+    users = [(1000, 17, 300), (0, 40, 5), (129, 0, 64), (2048, 128, 256), (256, 0, 32)]
     args, bias = make_problem(users, page_size, 4, head_dim, device="cuda", dtype=torch.bfloat16)
     kw = attention_kwargs(mode, bias, head_dim)
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
