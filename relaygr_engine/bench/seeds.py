@@ -117,16 +117,23 @@ def plot_crossover(cx: dict, workers, path) -> str:
     return str(path)
 
 
-def run_seeds(args, run) -> dict:
-    """``run(args)`` once per seed of ``args.seeds`` (out dir ``args.out/seed{N}``); writes and returns the
-    summary."""
-    seeds = parse_seeds(args.seeds)
-    reports = {}
-    for s in seeds:
+def seed_args(args) -> list:
+    """One copy of ``args`` per seed of ``args.seeds``: that seed, its out dir ``args.out/seed{N}``, no JSON path
+    and no seeds of its own (one run's options)."""
+    runs = []
+    for s in parse_seeds(args.seeds):
         a = copy.copy(args)
         a.seed, a.out, a.json, a.seeds = s, os.path.join(args.out, f"seed{s}"), None, None
-        print(f"=== seed {s} ===", flush=True)
-        reports[s] = run(a)
+        runs.append(a)
+    return runs
+
+
+def run_seeds(args, run) -> dict:
+    """``run(args)`` once per seed of ``args.seeds`` (:func:`seed_args`); writes and returns the summary."""
+    reports = {}
+    for a in seed_args(args):
+        print(f"=== seed {a.seed} ===", flush=True)
+        reports[a.seed] = run(a)
     return write_summary(args.out, reports)
 
 

@@ -30,7 +30,6 @@ This module holds the command line (options, their checks, :func:`main`); the ru
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
@@ -217,23 +216,18 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def _check_points(parser: argparse.ArgumentParser, args) -> None:
-    """Each run directory's kept points (:mod:`~relaygr_engine.bench.slo_points`: a run cut short resumes from them)
-    must be a run's of the same settings: else a usage error naming the file, before any work."""
-    import copy
-
+    """With ``--resume``, each run directory's kept points (:mod:`~relaygr_engine.bench.slo_points`: a run cut
+    short resumes from them) must be a run's of the same settings: else a usage error naming the file, before any
+    work."""
+    if not args.resume:
+        return
+    from .seeds import seed_args
     from .slo_points import PointLog
     from .slo_run import _settings
 
-    runs = [(args.out, args)]
-    if args.seeds:
-        from .seeds import parse_seeds
-
-        runs = [(os.path.join(args.out, f"seed{s}"), copy.copy(args)) for s in parse_seeds(args.seeds)]
-        for (_, a), s in zip(runs, parse_seeds(args.seeds)):
-            a.seed = s
-    for out, a in runs if args.resume else ():
+    for a in seed_args(args) if args.seeds else [args]:
         try:
-            PointLog(out, _settings(a))
+            PointLog(a.out, _settings(a))
         except ValueError as e:
             parser.error(str(e))
 
