@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -32,7 +33,11 @@ ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
-_overlap: Optional[bool] = None  # HSTU's overlapped key loop: None by head dim (_hopper.overlaps); see overlap()
+# ``RELAYGR_HOPPER_OVERLAP=0``: HSTU's sequential key loop at every head dim (a way back, were the overlapped loop
+# wrong or slow on some chip or Triton); unset or anything else: by head dim.
+OVERLAP_ENV = "RELAYGR_HOPPER_OVERLAP"
+# HSTU's overlapped key loop: None by head dim (_hopper.overlaps); see overlap()
+_overlap: Optional[bool] = False if os.environ.get(OVERLAP_ENV, "").strip() == "0" else None
 
 
 @contextlib.contextmanager
