@@ -381,12 +381,13 @@ CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
 
 
 def overlaps(head_dim: int, hstu: bool, setting: Optional[bool] = None) -> bool:
-    """Whether a launch runs HSTU's overlapped key loop (the ``OVERLAP`` constexpr): from head dim
-    :data:`OVERLAP_FROM` on, unless ``setting`` says (False: the sequential loop, e.g. to time the two in one run;
-    True below it is refused: it spills there); never for softmax."""
+    """Whether a launch runs HSTU's overlapped key loop (the ``OVERLAP`` constexpr): only where ``setting`` is
+    True, from head dim :data:`OVERLAP_FROM` on (below, it spills: refused); never for softmax. By default (None)
+    the sequential loop, one block after the other: on an H200 the overlapped loop was right but 14% slower
+    (``benchmarks/results/gpu-h200-2026-11-26/``)."""
     if setting and head_dim < OVERLAP_FROM:
         raise ValueError(f"the overlapped HSTU loop needs head dim >= {OVERLAP_FROM}, got {head_dim}")
-    return hstu and (head_dim >= OVERLAP_FROM if setting is None else setting)
+    return hstu and bool(setting)
 
 
 @functools.lru_cache(maxsize=None)  # (built once per shape: a launch passes them every call)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -33,18 +32,18 @@ ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
-# ``RELAYGR_HOPPER_OVERLAP=0``: HSTU's sequential key loop at every head dim (a way back, were the overlapped loop
-# wrong or slow on some chip or Triton); unset or anything else: by head dim.
+# ``RELAYGR_HOPPER_OVERLAP=1``: HSTU's overlapped key loop from head dim 128 (FlashAttention-3's order; slower than
+# the sequential default on an H200, 2026-11-26: kept to time it on other chips and Tritons).
 OVERLAP_ENV = "RELAYGR_HOPPER_OVERLAP"
-# HSTU's overlapped key loop: None by head dim (_hopper.overlaps); see overlap()
-_overlap: Optional[bool] = False if os.environ.get(OVERLAP_ENV, "").strip() == "0" else None
+# HSTU's key loop: None the default (sequential, _hopper.overlaps), True overlapped, False sequential; see overlap()
+_overlap: Optional[bool] = True if env_flag(OVERLAP_ENV) else None
 
 
 @contextlib.contextmanager
 def overlap(setting: Optional[bool]):
-    """Within: launches run HSTU's key loop overlapped or not as ``setting`` says (None: by head dim,
+    """Within: launches run HSTU's key loop overlapped or not as ``setting`` says (None: the default,
     :func:`~relaygr_engine.kernels._hopper.overlaps`), to time the two in one run (``relaygr bench kernels
-    --hopper-overlap auto,no``). Not for serving: CUDA graphs captured within keep the loop they captured."""
+    --hopper-overlap auto,yes``). Not for serving: CUDA graphs captured within keep the loop they captured."""
     global _overlap
     previous, _overlap = _overlap, setting
     try:

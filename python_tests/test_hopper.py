@@ -316,7 +316,7 @@ from relaygr_engine.bench.ptxas_hopper import compile_hopper
 from relaygr_engine.bench.sass import disassemble, _loops
 from relaygr_engine.kernels import _hopper_launch as HL
 from relaygr_engine.bench.ptxas_hopper import compile_launch
-for d, setting in ((64, None), (128, None), (256, None), (256, False)):
+for d, setting in ((64, None), (128, True), (256, True), (256, None)):
     kernel = compile_hopper(d, hstu=True, cand=True, page_size=64, overlap=setting)
     with HL.overlap(setting):  # a launch within the switch compiles the same loop
         same = compile_launch(d, hstu=True, cand=True)[0].asm["cubin"] == kernel.asm["cubin"]
@@ -333,14 +333,14 @@ for d, setting in ((64, None), (128, None), (256, None), (256, False)):
 """
 
 
-def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_128():
-    """Static, no GPU: from head dim 128 (``_hopper.OVERLAP_FROM``) the HSTU key loop of the sm_90 kernel issues
-    the next block's QK ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them,
-    then issues the P.V products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it
-    would where another instruction read an accumulator in flight). At head dim 64 (three programs an SM, too few
-    registers for two blocks' scores), and at 256 within ``_hopper_launch.overlap(False)`` (where a launch
-    compiles the same binary), it waits for the QK product before the SiLU. (In its own process, without the
-    interpreter.)"""
+def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_where_asked_from_head_dim_128():
+    """Static, no GPU: asked for (``_hopper_launch.overlap(True)``, where a launch compiles the same binary), from
+    head dim 128 (``_hopper.OVERLAP_FROM``) the HSTU key loop of the sm_90 kernel issues the next block's QK
+    ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them, then issues the P.V
+    products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it would where another
+    instruction read an accumulator in flight). By default (the sequential loop: faster on an H200), at head dim
+    64 (where the overlapped loop is refused: too few registers for two blocks' scores) and 256, it waits for the
+    QK product before the SiLU. (In its own process, without the interpreter.)"""
     rows = _static_rows(_OVERLAP_CHECK)
     assert len(rows) == 4
     for r in rows:
@@ -350,17 +350,18 @@ def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_from_head_dim_
         first_wait = next(i for i, op in enumerate(order) if op.startswith("WARPGROUP.DEPBAR"))
         before = order[:first_wait]
         qk = next(op for op in order if op.startswith("HGMMA"))  # (64 x BLOCK_N; P.V's are 64 x 128 or 64 x D)
-        if d >= 128 and r["overlap"] is None:  # QK products, the SiLU's tanh, the P.V products, then one wait
+        if r["overlap"]:  # QK products, the SiLU's tanh, the P.V products, then one wait
             tanh = [i for i, op in enumerate(order) if op == "MUFU.TANH"]
             assert tanh and tanh[-1] < first_wait
             assert order.index(qk) < tanh[0]  # (the scheduler may interleave the last products with the tanh)
             assert min(i for i, op in enumerate(order) if op.startswith("HGMMA") and op != qk) > tanh[-1]
             assert sum(op.startswith("WARPGROUP.DEPBAR") for op in order) == 1
-        else:  # waits for the QK product before its tanh (head dim 64; 256 switched off: _hopper_launch.overlap)
+        else:  # waits for the QK product before its tanh (the default)
             assert "MUFU.TANH" not in before
     from relaygr_engine.kernels import _hopper as H
 
-    assert [H.overlaps(d, True) for d in (64, 128, 256)] == [False, True, True] and not H.overlaps(256, False)
+    assert not any(H.overlaps(d, True) for d in (64, 128, 256))
+    assert [H.overlaps(d, True, True) for d in (128, 256)] == [True, True] and not H.overlaps(256, False, True)
     assert not H.overlaps(256, True, False)
     with pytest.raises(ValueError, match="head dim >= 128"):
         H.overlaps(64, True, True)
@@ -405,16 +406,18 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
                         row(True, 1.0, 0.8, "softmax")], device="cuda", dtype="bfloat16")
     assert (both["matmul_fraction_long_softmax"], both["matmul_fraction_long_softmax_hopper"]) == (0.2, 0.8)
     assert (both["matmul_fraction_long_hstu"], both["matmul_fraction_long_hstu_hopper"]) == (0.25, 0.5)
-    # --hopper-overlap auto,no: the sm_90 kernel's HSTU loop sequential in rows of their own (hk column "s"), kept
-    # out of hopper_yes and the _hopper fraction, in geomean_ms_hopper_overlap_{auto,no} and the _hopper_seq fraction
-    seq = dict(row(True, 3.0, 0.4), hopper_overlap=False)
-    ab = S.summarize([row(False, 2.0, 0.25), dict(row(True, 1.0, 0.5), hopper_overlap=None), seq], device="cuda",
-                     dtype="bfloat16")
+    # --hopper-overlap auto,no,yes: the sm_90 kernel's HSTU loop forced sequential / overlapped in rows of their own
+    # (hk column "s" / "o"), kept out of hopper_yes and the _hopper fraction, in geomean_ms_hopper_overlap_{auto,no,
+    # yes} and the _hopper_seq / _hopper_overlap fractions
+    seq, ovl = dict(row(True, 3.0, 0.4), hopper_overlap=False), dict(row(True, 4.0, 0.3), hopper_overlap=True)
+    ab = S.summarize([row(False, 2.0, 0.25), dict(row(True, 1.0, 0.5), hopper_overlap=None), seq, ovl],
+                     device="cuda", dtype="bfloat16")
     assert (ab["geomean_ms_hopper_no"], ab["geomean_ms_hopper_yes"]) == (2.0, 1.0)
-    assert (ab["geomean_ms_hopper_overlap_auto"], ab["geomean_ms_hopper_overlap_no"]) == pytest.approx((1.0, 3.0))
-    assert (ab["matmul_fraction_long_hstu_hopper"], ab["matmul_fraction_long_hstu_hopper_seq"]) == pytest.approx(
-        (0.5, 0.4))
-    assert S.row_line(seq).split()[7] == "s" and "geomean_ms_hopper_overlap_no" not in summary
+    assert [ab[f"geomean_ms_hopper_overlap_{k}"] for k in ("auto", "no", "yes")] == pytest.approx([1.0, 3.0, 4.0])
+    assert [ab[f"matmul_fraction_long_hstu_hopper{k}"] for k in ("", "_seq", "_overlap")] == pytest.approx(
+        [0.5, 0.4, 0.3])
+    assert [S.row_line(r).split()[7] for r in (seq, ovl)] == ["s", "o"]
+    assert "geomean_ms_hopper_overlap_no" not in summary
     from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
 
     key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)

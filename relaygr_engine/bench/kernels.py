@@ -163,6 +163,12 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 
 # ------------------------------------------------------------------------------------------------ one shape
+def _overlap_from() -> int:
+    """The least head dim of the sm_90 kernel's overlapped HSTU loop (imported only where asked for: Gluon)."""
+    from relaygr_engine.kernels._hopper import OVERLAP_FROM
+    return OVERLAP_FROM
+
+
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
               splits: Optional[int] = None, value_splits: Optional[int] = None,
@@ -314,8 +320,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "or the portable one (no): comma-separated to compare, e.g. no,yes (yes: an sm_90 GPU "
                          "only)")
     ap.add_argument("--hopper-overlap", default="auto",
-                    help="with --hopper-kernel yes, its HSTU key loop overlapped (auto: from head dim 128) or one "
-                         "block after the other (no): comma-separated to compare in one run, e.g. auto,no")
+                    help="with --hopper-kernel yes, its HSTU key loop as by default (auto: one block after the "
+                         "other, or overlapped where RELAYGR_HOPPER_OVERLAP=1), one block after the other (no), or "
+                         "overlapped in FlashAttention-3's order (yes; head dim >= 128): comma-separated to compare "
+                         "in one run, e.g. auto,yes")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -358,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     hoppers = _choices(ap, "--hopper-kernel", opts.hopper_kernel, {"no": False, "yes": True})
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
-    overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False})
+    overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False, "yes": True})
     if overlaps != [None] and True not in hoppers:
         ap.error("--hopper-overlap compares the sm_90 kernel's loops: it needs --hopper-kernel yes")
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -378,8 +386,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(S.header(device.type == "cuda"))
     rows = []
     runs = [(hk, ov) for hk in hoppers for ov in (overlaps if hk else [None])]
+    overlap_from = _overlap_from() if True in overlaps else None
     for shape, block_m, n_splits, n_v, cc, sd, (hk, ov) in itertools.product(shapes, block_ms, splits, v_splits,
                                                                              concurrent, split_dtypes, runs):
+        if ov and (shape.mode != "hstu" or shape.head_dim < overlap_from):
+            continue  # (the overlapped loop is HSTU's, from head dim 128 on: no such row elsewhere)
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,

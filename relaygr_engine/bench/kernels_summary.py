@@ -15,8 +15,8 @@ NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
         "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
-        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s: its HSTU loop one block after "
-        "the other) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s / o: its HSTU loop forced one "
+        "block after the other / overlapped) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -54,11 +54,15 @@ def row_line(r: dict) -> str:
     return line
 
 
+_LOOPS = {None: "auto", False: "no", True: "yes"}  # --hopper-overlap's values, by the rows' hopper_overlap
+
+
 def _hopper_cell(r: dict) -> str:
-    """The ``hk`` column: n (the portable kernel), y (the sm_90 kernel), s (its HSTU loop sequential), - (not said)."""
+    """The ``hk`` column: n (the portable kernel), y (the sm_90 kernel as by default), s / o (its HSTU loop forced
+    sequential / overlapped), - (not said)."""
     if "hopper_kernel" not in r:
         return "-"
-    return "s" if r.get("hopper_overlap") is False else "ny"[bool(r["hopper_kernel"])]
+    return {False: "s", True: "o"}.get(r.get("hopper_overlap"), "ny"[bool(r["hopper_kernel"])])
 
 
 def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "model") -> dict:
@@ -88,11 +92,10 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
-    # (the sm_90 kernel as it runs by default in hopper_yes; its HSTU loop forced sequential apart, where compared)
-    usual = [r for r in rows if r.get("hopper_overlap") is not False]
+    # (the sm_90 kernel as it runs by default in hopper_yes; its HSTU loop forced one way apart, where compared)
+    usual = [r for r in rows if r.get("hopper_overlap") is None]
     summary.update(_geomean_by(usual, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
-    summary.update(_geomean_by(rows, "hopper_overlap", lambda ov: f"hopper_overlap_{'no' if ov is False else 'auto'}",
-                               keep_none=True))
+    summary.update(_geomean_by(rows, "hopper_overlap", lambda ov: f"hopper_overlap_{_LOOPS[ov]}", keep_none=True))
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
@@ -101,12 +104,13 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
         for m, hk in itertools.product(modes, (False, True)):
             picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk
-                      and r.get("hopper_overlap") is not False]
+                      and r.get("hopper_overlap") is None]
             if picked or not hk:
                 summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
-            seq = [r["matmul_fraction"] for r in long if r["mode"] == m and r.get("hopper_overlap") is False]
-            if hk and seq:  # (its HSTU loop one block after the other: --hopper-overlap no)
-                summary[f"matmul_fraction_long_{m}_hopper_seq"] = _geo(seq)
+            for forced, tag in ((False, "seq"), (True, "overlap")):  # (--hopper-overlap no / yes)
+                got = [r["matmul_fraction"] for r in long if r["mode"] == m and r.get("hopper_overlap") is forced]
+                if hk and got:
+                    summary[f"matmul_fraction_long_{m}_hopper_{tag}"] = _geo(got)
     return summary
 
 

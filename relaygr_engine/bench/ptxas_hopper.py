@@ -17,7 +17,7 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
                    page_size: int = 64, heads: int = 4, arch: int = 90, overlap: Optional[bool] = None):
     """Compile the kernel's config at ``head_dim`` for ``sm_<arch>`` with no GPU (:func:`ptxas.compile_kernel`,
     specialised as a launch would be): the compiled kernel (``asm['ptx']``, ``asm['cubin']``, ``metadata.shared``).
-    ``overlap``: HSTU's key loop overlapped or not (None: by head dim, as a launch)."""
+    ``overlap``: HSTU's key loop overlapped or not (None: as a launch by default, sequential)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
