@@ -16,7 +16,8 @@ NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax
         "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
         "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s / o: its HSTU loop forced one "
-        "block after the other / overlapped) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph replay after an L2 flush.")
+        "block after the other / overlapped) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph "
+        "replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
