@@ -67,11 +67,35 @@ def interpreter_active() -> bool:
     return is_interpreted(tl.sum)
 
 
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``3.6.0`` or ``2.5.2+git1a2b``."""
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> Optional[str]:
+    """Why Triton's CPU interpreter cannot run these kernels with the installed Triton and numpy, or None: before
+    3.7 it turns a one-element array into an index with ``int()``, which numpy 2.4 refuses (a ``TypeError``, "only
+    0-dimensional arrays can be converted to Python scalars", at a kernel's loop over its program id)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton_version = version("triton")
+    except PackageNotFoundError:
+        return "triton is not installed"
+    if _release(triton_version) < (3, 7) and _release(np.__version__) >= (2, 4):
+        return (f"Triton {triton_version}'s CPU interpreter fails on numpy {np.__version__} (it converts one-element "
+                f"arrays with int(), which numpy 2.4 refuses): Triton >= 3.7 or numpy < 2.4 runs it")
+    return None
+
+
 def check_launchable(device: torch.device, kernel) -> None:
     """Raise ``ValueError`` unless ``kernel`` can run on tensors of ``device``.
 
     CPU tensors need the interpreter, and the interpreter needs ``TRITON_INTERPRET=1`` from before triton's first
-    import (checked: a kernel decorated in another mode, or a triton imported without it, is refused with the fix).
+    import (checked: a kernel decorated in another mode, or a triton imported without it, is refused with the fix),
+    and a Triton whose interpreter runs with the installed numpy (:func:`interpreter_problem`).
     """
     if device.type == "cpu":
         if not (is_interpreted(kernel) and interpreter_active()):
@@ -80,6 +104,9 @@ def check_launchable(device: torch.device, kernel) -> None:
                 "environment before triton is first imported (it is read at @triton.jit decoration time), or use "
                 f"the torch backend (interpreter requested now: {interpreter_requested()}, triton imported in "
                 f"interpreter mode: {interpreter_active()})")
+        why = interpreter_problem()
+        if why is not None:
+            raise ValueError(f"Triton kernels cannot run on CPU tensors here: {why}; or use the torch backend")
     elif device.type == "npu":
         load_npu()
     elif device.type != "cuda":

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from interpreter_process import interpreter_env
+
 SCRIPT = textwrap.dedent("""
     import sys, itertools
     import torch
@@ -85,8 +87,7 @@ def test_kernels_read_and_write_only_their_tensors_in_the_bounds_checked_interpr
     pages; 1 to 5 prefix splits, a tile's rows on two programs, its value columns on two), the KV write (both
     formats) and page pack/unpack: no load or store outside the launch's tensors, inputs unchanged; and a planted
     one-element overrun is caught, so the check is live."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=os.path.dirname(__file__))], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -374,6 +374,30 @@ def test_cpu_launch_without_interpreter_is_refused():
         _common.check_launchable(torch.device("cpu"), object())
 
 
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
+    """Triton before 3.7 with numpy 2.4 or later (its interpreter converts one-element arrays with ``int()``): a
+    CPU launch in interpreter mode is refused naming both versions and the fix; 3.7 on, or numpy 2.3, runs."""
+    import importlib.metadata
+
+    def problem(triton_version, numpy_version):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: triton_version)
+        monkeypatch.setattr(_common.np, "__version__", numpy_version)
+        _common.interpreter_problem.cache_clear()
+        return _common.interpreter_problem()
+
+    try:
+        why = problem("3.6.0", "2.5.2")
+        assert "Triton 3.6.0" in why and "numpy 2.5.2" in why and "Triton >= 3.7 or numpy < 2.4" in why
+        kernel = type("InterpretedFunction", (), {})()  # (what the interpreter-mode check looks for)
+        monkeypatch.setattr(_common, "interpreter_active", lambda: True)
+        with pytest.raises(ValueError, match="Triton 3.6.0's CPU interpreter fails on numpy 2.5.2"):
+            _common.check_launchable(torch.device("cpu"), kernel)
+        assert problem("3.7.0", "2.5.2") is None and problem("3.6.0+git1ab2", "2.3.4") is None
+        assert problem("3.10.1", "2.4.0") is None and problem("2.3.1", "2.4.0rc1") is not None
+    finally:
+        _common.interpreter_problem.cache_clear()
+
+
 # ------------------------------------------------------------------------------------------------ bench smoke
 @needs_interpreter
 def test_bench_kernels_smoke(tmp_path, capsys):

@@ -20,6 +20,7 @@ from relaygr_engine import quant
 from relaygr_engine.cache import PagedKVCache
 from relaygr_engine.config import KVDtype
 from relaygr_engine.testing import check_relay_exact
+from interpreter_process import interpreter_env
 
 FORMATS = [KVDtype.INT8, KVDtype.FP8_E4M3]
 CFG = dict(attention="hstu", num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, num_items=500, num_actions=4,
@@ -180,8 +181,7 @@ def test_triton_kernel_int8_pages_match_the_torch_reference_in_the_interpreter()
     """The kernel's 8-bit path (scales on the scores and weights) against the torch reference reading the same
     int8 pages, whole blocks and partial ones, pages a block divides and pages it does not (24), split prefixes.
     In a fresh process: the interpreter must be on before triton's first import."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     code = TRITON_INT8.format(tests=os.path.dirname(__file__))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -213,8 +213,7 @@ KV_WRITE_INT8 = textwrap.dedent("""
 
 def test_triton_kv_write_quantises_like_the_torch_path_in_the_interpreter():
     """The 8-bit KV-write kernel stores the same bytes (values and scales) as :func:`relaygr_engine.quant.store`."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    proc = subprocess.run([sys.executable, "-c", KV_WRITE_INT8], env=dict(os.environ, TRITON_INTERPRET="1"),
+    proc = subprocess.run([sys.executable, "-c", KV_WRITE_INT8], env=interpreter_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
@@ -238,9 +237,8 @@ ENGINE_TRITON_INT8 = textwrap.dedent("""
 def test_engine_on_the_triton_backend_writes_and_reads_int8_pages_like_the_torch_backend():
     """Every engine path with the Triton kernels (the quantising KV write and the 8-bit attention, in the
     interpreter) ends as close to full inference as the torch backend's."""
-    pytest.importorskip("triton", reason="triton is not installed")
     proc = subprocess.run([sys.executable, "-c", ENGINE_TRITON_INT8.format(cfg=CFG)],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+                          env=interpreter_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) <= 1e-5
 
@@ -412,9 +410,8 @@ def test_agreement_of_rankings():
 def test_bench_kernels_times_8bit_pages_beside_the_model_dtype():
     """``relaygr bench kernels --kv-dtype int8`` (interpreter smoke): each shape's pages also timed in int8, with
     the speed ratio and the error against the model-dtype pages in its RESULT line."""
-    pytest.importorskip("triton", reason="triton is not installed")
     proc = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "bench", "kernels", "--device", "cpu",
-                           "--kv-dtype", "int8"], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                           "--kv-dtype", "int8"], env=interpreter_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fields = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
