@@ -46,6 +46,9 @@ def _table(tmp_path):
 
 def test_steps_run_in_the_order_named_with_their_times_and_an_archive(tmp_path):
     archive = tmp_path / "gpu.tgz"
+    (tmp_path / "bin").mkdir()  # a stand-in ncu (the machine's own, if any, is never reached) logging its arguments
+    log = tmp_path / "ncu.log"
+    (tmp_path / "bin" / "ncu").write_text(f"#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done > '{log}'\n")
     proc, calls = _run(tmp_path, "rank env ncu", ARCHIVE=str(archive))
     assert proc.returncode == 0, proc.stderr
     assert calls[0].startswith("-m pip install")
@@ -56,8 +59,10 @@ def test_steps_run_in_the_order_named_with_their_times_and_an_archive(tmp_path):
     rank = (tmp_path / "out" / "rank.txt").read_text()
     assert "device: Stand-in GPU" in rank.splitlines()[0] and "commit: abc1234" in rank.splitlines()[0]
     assert rank.splitlines()[-1].startswith("# rank: ") and rank.rstrip().endswith("exit 0")
-    # a quoted `bash -c` step survives being stored and run again: no ncu here, so it says so and passes
-    assert "ncu not found: step skipped" in (tmp_path / "out" / "ncu.txt").read_text()
+    # a quoted `bash -c` step survives being stored and run again: each of ncu's arguments arrives whole
+    args = log.read_text().splitlines()
+    assert "regex:prefix_attention|bias_table|reduce_kernel" in args and "--cuda-profiler-window" in args
+    assert args[-3:] == [str(tmp_path / "bin" / "fakepy"), "benchmarks/profile_rank.py", "--cuda-profiler-window"]
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {"out/steps.tsv", "out/rank.txt", "out/env.txt", "out/ncu.txt"} <= names
