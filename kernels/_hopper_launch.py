@@ -32,8 +32,8 @@ ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
-# ``RELAYGR_HOPPER_OVERLAP=1``: HSTU's overlapped key loop from head dim 128 (FlashAttention-3's order; slower than
-# the sequential default on an H200, 2026-11-26: kept to time it on other chips and Tritons).
+# ``RELAYGR_HOPPER_OVERLAP=1``: HSTU's overlapped key loop where it applies, from head dim 128 (FlashAttention-3's
+# order; slower than the sequential default on an H200, 2026-11-26: kept to time it on other chips and Tritons).
 OVERLAP_ENV = "RELAYGR_HOPPER_OVERLAP"
 # HSTU's key loop: None the default (sequential, _hopper.overlaps), True overlapped, False sequential; see overlap()
 _overlap: Optional[bool] = True if env_flag(OVERLAP_ENV) else None
@@ -41,8 +41,8 @@ _overlap: Optional[bool] = True if env_flag(OVERLAP_ENV) else None
 
 @contextlib.contextmanager
 def overlap(setting: Optional[bool]):
-    """Within: launches run HSTU's key loop overlapped or not as ``setting`` says (None: the default,
-    :func:`~relaygr_engine.kernels._hopper.overlaps`), to time the two in one run (``relaygr bench kernels
+    """Within: launches run HSTU's key loop overlapped (from head dim 128) or not as ``setting`` says (None: the
+    default, :func:`~relaygr_engine.kernels._hopper.overlaps`), to time the two in one run (``relaygr bench kernels
     --hopper-overlap auto,yes``). Not for serving: CUDA graphs captured within keep the loop they captured."""
     global _overlap
     previous, _overlap = _overlap, setting
@@ -224,7 +224,8 @@ def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
             tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
-            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap), M_PARTS=parts,
+            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap and head_dim >= H.OVERLAP_FROM or None),
+            M_PARTS=parts,
             **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
     global _launches
     _launches += 1

@@ -316,9 +316,9 @@ from relaygr_engine.bench.ptxas_hopper import compile_hopper
 from relaygr_engine.bench.sass import disassemble, _loops
 from relaygr_engine.kernels import _hopper_launch as HL
 from relaygr_engine.bench.ptxas_hopper import compile_launch
-for d, setting in ((64, None), (128, True), (256, True), (256, None)):
+for d, setting, asked in ((64, None, True), (128, True, True), (256, True, True), (256, None, None)):
     kernel = compile_hopper(d, hstu=True, cand=True, page_size=64, overlap=setting)
-    with HL.overlap(setting):  # a launch within the switch compiles the same loop
+    with HL.overlap(asked):  # a launch within the switch compiles that loop (at head dim 64 the sequential one)
         same = compile_launch(d, hstu=True, cand=True)[0].asm["cubin"] == kernel.asm["cubin"]
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "k.ptx"), "w").write(kernel.asm["ptx"])
@@ -339,8 +339,9 @@ def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_where_asked_fr
     ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them, then issues the P.V
     products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it would where another
     instruction read an accumulator in flight). By default (the sequential loop: faster on an H200), at head dim
-    64 (where the overlapped loop is refused: too few registers for two blocks' scores) and 256, it waits for the
-    QK product before the SiLU. (In its own process, without the interpreter.)"""
+    256, and at 64 even where asked (``RELAYGR_HOPPER_OVERLAP=1`` applies from 128: too few registers for two
+    blocks' scores below), it waits for the QK product before the SiLU. (In its own process, without the
+    interpreter.)"""
     rows = _static_rows(_OVERLAP_CHECK)
     assert len(rows) == 4
     for r in rows:
