@@ -21,9 +21,9 @@
 # after a call: have the second command ready):
 #   1. STEPS="env tests-cuda"  (DEADLINE_S=480: the whole suite on the GPU machine; cut at ~94% after 303 s on
 #      2026-11-26 (H200) with 4 failures not yet named: a step past its limit now gets SIGINT, so pytest names them)
-#   2. STEPS="sanitize-kv8 kernels-hopper ncu-kernel"  (DEADLINE_S on what is left: the int8 read, never run on a GPU
-#      (under memcheck its autotuning alone outlasted 43 s); the long HSTU shapes on the sm_90 kernel, its loop by
-#      default (sequential) and overlapped)
+#   2. STEPS="tests-kv8 kernels-hopper ncu-kernel"  (DEADLINE_S on what is left: the int8 read, never run on a GPU,
+#      and fp8's, each in its own process (sanitize-kv8 where one faults: under memcheck int8's autotuning alone
+#      outlasted 43 s); the long HSTU shapes on the sm_90 kernel, its loop by default (sequential) and overlapped)
 #   3. STEPS="profile-graphs rank kernels-hopper-softmax"
 #   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 #   5+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
@@ -38,7 +38,7 @@
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
-# rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
+# rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
 # profile-graphs-hopper ncu ncu-hopper
 # ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
 # part of tests-hopper, by default;
@@ -74,7 +74,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -167,6 +167,12 @@ step kernels-fp8 900 env RELAYGR_KV8_KERNEL=1 $PY -m relaygr_engine.cli bench ke
     --json "${OUT_DIR}/kernels-fp8.json"
 step kernels-int8 900 env RELAYGR_KV8_KERNEL=1 $PY -m relaygr_engine.cli bench kernels --kv-dtype int8 \
     --json "${OUT_DIR}/kernels-int8.json"
+# The 8-bit CUDA tests with the kernel switched on, plainly, each format in its own process (a fault loses the
+# process's CUDA context): whether int8 and fp8 pass, in seconds (under memcheck, below, int8's autotuning alone
+# outlasted the 43 s a call had left on 2026-11-26).
+step tests-kv8 240 bash -c "rc=0; for kd in int8 fp8_e4m3; do echo \"== \$kd\"; RELAYGR_KV8_KERNEL=1 \
+    $PY -m pytest -q -rfEs -m gpu python_tests/test_kvquant.py -k \"cuda_8bit and \$kd\" -p no:cacheprovider \
+    || rc=1; done; exit \$rc"
 # The 8-bit CUDA tests with the kernel switched on, under compute-sanitizer's memcheck: the kernel, the access and
 # the address of the first faults (serial compiles: one process, no worker threads launching), each format in its
 # own process (a fault loses the process's CUDA context); the autotuner names each config before timing it
