@@ -224,7 +224,7 @@ def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
             tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
-            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap and head_dim >= H.OVERLAP_FROM or None),
+            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap if head_dim >= H.OVERLAP_FROM else None),
             M_PARTS=parts,
             **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
     global _launches

@@ -3,7 +3,6 @@ or recomputed from the JSON of runs that split the shapes between them (``--summ
 dim where a machine's time per call is limited)."""
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from typing import Optional
@@ -103,14 +102,15 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         # measured in its run for its own FLOPs).
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
-        for m, hk in itertools.product(modes, (False, True)):
-            picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk
-                      and r.get("hopper_overlap") is None]
-            if picked or not hk:
-                summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
-            for forced, tag in ((False, "seq"), (True, "overlap")):  # (--hopper-overlap no / yes)
+        for m in modes:
+            for hk in (False, True):
+                picked = [r["matmul_fraction"] for r in long if r["mode"] == m
+                          and bool(r.get("hopper_kernel")) == hk and r.get("hopper_overlap") is None]
+                if picked or not hk:
+                    summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
+            for forced, tag in ((False, "seq"), (True, "overlap")):  # (--hopper-overlap no / yes: sm_90 rows only)
                 got = [r["matmul_fraction"] for r in long if r["mode"] == m and r.get("hopper_overlap") is forced]
-                if hk and got:
+                if got:
                     summary[f"matmul_fraction_long_{m}_hopper_{tag}"] = _geo(got)
     return summary
 
