@@ -15,28 +15,37 @@
 # A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
 # files: one call, its timeout_s about 560, of
 #   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
-# with, in order of what is least known and most asked (as of 2026-11-26, after three sessions' runs:
-# benchmarks/results/gpu-h100-2026-11-26{,b}/ and gpu-h200-2026-11-26/; the first steps compile the kernels' variants
-# for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given back 30 s
-# after a call: have the second command ready):
-#   1. STEPS="env tests-cuda"  (DEADLINE_S=480: the whole suite on the GPU machine; cut at ~94% after 303 s on
-#      2026-11-26 (H200) with 4 failures not yet named: a step past its limit now gets SIGINT, so pytest names them)
-#   2. STEPS="tests-kv8 kernels-hopper ncu-kernel"  (DEADLINE_S on what is left: the int8 read, never run on a GPU,
-#      and fp8's, each in its own process (sanitize-kv8 where one faults: under memcheck int8's autotuning alone
-#      outlasted 43 s); the long HSTU shapes on the sm_90 kernel, its loop by default (sequential) and overlapped)
-#   3. STEPS="profile-graphs rank kernels-hopper-softmax"
-#   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
-#   5+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
+# with, in order of what is least known and most asked (as of 2026-11-27, after four sessions' runs:
+# benchmarks/results/gpu-h100-2026-11-26{,b}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
+# variants for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given
+# back 30 s after a call: have the second command ready):
+#   1. STEPS="kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule"  (DEADLINE_S=520: the split rule
+#      of 2026-11-27 beside the one it replaced, every shape, one run; `kernels-rule` joins what finished (no GPU
+#      work: it can run here afterwards on the parts' JSON))
+#   2. with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below): STEPS="env tests-kv8 rank"  (DEADLINE_S on what is
+#      left: whether the kernel's 8-bit read, which faulted with int8 and fp8 pages under Triton 3.6's ptxas 12.8 on
+#      2026-11-26, passes when a CUDA 13 ptxas assembles it; rank: NVIDIA's ranking shape under that ptxas and the
+#      new split count, against 1.43 ms on the H200 with 12.8 and the old count (two changes at once: a first look))
+#   3. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
+#   4+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
 #      at this shape: its length is unknown; a seed cut short resumes in a later call from its points.jsonl, its
 #      folder copied back into OUT_DIR/slo-seeds first)
+#   then STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
+# A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59,
+# which NVIDIA's and Triton's notes say fixes wgmma miscompiles that fault as ours does): copy Triton 3.9's
+# `triton/backends/nvidia/bin/ptxas-blackwell` (52 MB) into an ignored folder of the checkout, e.g. `.carry/ptxas`
+# (`echo /.carry/ >> .git/info/exclude`), name `.carry` in the device call's carry, and prefix the command with
+# TRITON_PTXAS_PATH=$PWD/.carry/ptxas (the env step prints which ptxas assembles sm_90 code).
 # Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
 # rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; in the second
 # run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper; in the third (H200)
-# tests-hopper-twin kernels-hopper-rank rank tests-gpu rank-hopper (tests-cuda and sanitize-kv8 cut).
+# tests-hopper-twin kernels-hopper-rank rank tests-gpu rank-hopper (tests-cuda and sanitize-kv8 cut); in the fourth
+# (H200) tests-cuda (all pass), tests-kv8 (int8 and fp8 fault), kernels-hopper.
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
 #
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits
+# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128
+# kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
 # rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
 # profile-graphs-hopper ncu ncu-hopper
@@ -74,7 +83,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128 kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -109,7 +118,9 @@ run_step() {
     [ "$rc" -eq 0 ] || failed+=("${name} (exit ${rc}${cut})")
 }
 
-step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'"
+# (and the ptxas that assembles sm_90 code: Triton's own, or TRITON_PTXAS_PATH's where set, see the header)
+step env 60 bash -c "$PY -m relaygr_engine.cli info; nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'; \
+    $PY -c 'from triton.backends.nvidia import compiler as c; print(\"ptxas for sm_90:\", c.get_ptxas(90).path, c.get_ptxas_version(90))'"
 # pytest-xdist where installed: the CUDA tests' time is mostly Triton compiling each autotuned config, which
 # parallelises over the CPU cores (the GPU work is small).
 xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
@@ -122,6 +133,17 @@ for d in 64 128 256; do
 done
 step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64.json" \
     "${OUT_DIR}/kernels-d128.json" "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
+# The split count's rule (kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
+# replaced (fill: about two programs per SM, none once the tiles make a wave), every shape under both in one run, by
+# head dim as above: matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
+# geomean_ms_split_{auto,fill}. (Split counts are runtime arguments: no new binary, but a split launch is its own
+# autotuned variant where the other rule does not split.)
+for d in 64 128 256; do
+    step "kernels-rule-d${d}" 600 $PY -m relaygr_engine.cli bench kernels --head-dims "${d}" --splits auto,fill \
+        --json "${OUT_DIR}/kernels-rule-d${d}.json"
+done
+step kernels-rule 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-rule-d64.json" \
+    "${OUT_DIR}/kernels-rule-d128.json" "${OUT_DIR}/kernels-rule-d256.json" --json "${OUT_DIR}/kernels-rule.json"
 # One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
 # the launcher's split count (auto) beside fixed ones, the two kinds of tile launched on two streams at once (auto)
 # and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)

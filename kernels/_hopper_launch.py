@@ -25,7 +25,7 @@ __all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit",
            "block_n", "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate", "state"]
 
 # A program's fixed traffic in pick_splits' model: q's load, its partial's store and the merge's read of it, three
-# [64, D] tiles, i.e. 3 x 64 / (2 x BLOCK_N) key blocks' worth of K and V bytes (3 at 32-key blocks, 1.5 at 64).
+# [64, D] tiles, i.e. 3 x 64 / 2 keys' worth of K and V bytes.
 OVERHEAD_ROWS = 3 * 64
 
 ENV = "RELAYGR_HOPPER_KERNEL"
@@ -152,22 +152,19 @@ def programs_per_split(plan, num_heads: int) -> int:
 
 
 def pick_splits(device: torch.device, head_dim: int, programs_per_split: int, max_keys: int) -> int:
-    """How many splits the kernel's launches cut each tile's keys into: the ``S`` in ``[1, max_keys //
-    MIN_SPLIT_KEYS]`` (at most ``MAX_SPLITS``) with the least ``waves(S) x (max_keys / S + OVERHEAD_ROWS / 2) /
-    BLOCK_N`` (a program's key blocks and its fixed traffic in blocks' worth), ``waves(S) = ceil(programs_per_split
-    x S / slots)``, ``slots`` = SMs x the programs an SM holds (registers: ``MAXNREG`` a thread, 8 warps a
-    program), which share its tensor cores; ties to fewer splits.
-    At NVIDIA's ranking shape (24 programs a split, 132 SMs x 2, 4096 keys of 32-key blocks) 11 splits make one
-    wave, where the portable kernel's rule (16) makes 1.45, i.e. two. 1 on a device other than CUDA."""
+    """How many splits the kernel's launches cut each tile's keys into: :func:`~relaygr_engine.kernels._split.
+    least_waves` for ``programs_per_split`` programs, ``slots`` = SMs x the programs an SM holds (registers:
+    ``MAXNREG`` a thread, 8 warps a program), which share its tensor cores, and a 64-row program's fixed traffic
+    (:data:`OVERHEAD_ROWS`). At NVIDIA's ranking shape (24 programs a split, 132 SMs x 2, 4096 keys) 11 splits
+    make one wave. 1 on a device other than CUDA."""
     from . import _hopper as H
-    from ._split import most_splits
+    from ._split import least_waves
 
     if device.type != "cuda":
         return 1
-    bn, _, maxnreg = H.CONFIGS[head_dim]
+    _, _, maxnreg = H.CONFIGS[head_dim]
     slots = C.num_cores(device) * (65536 // (maxnreg * 256))
-    return min(range(1, most_splits(max_keys) + 1),
-               key=lambda s: C.cdiv(programs_per_split * s, slots) * (max_keys / s + OVERHEAD_ROWS / 2) / bn)
+    return least_waves(programs_per_split, slots, max_keys, OVERHEAD_ROWS / 2)
 
 
 def clear_slot(ws: torch.Tensor, ml: Optional[torch.Tensor]) -> None:

@@ -28,33 +28,57 @@ import torch
 from . import _common as C
 from ._prefix_config import SPLIT_ALIGN
 
-__all__ = ["pick_splits", "split_layout", "merge_splits", "split_dtype", "MIN_SPLIT_KEYS", "MAX_SPLITS"]
+__all__ = ["pick_splits", "least_waves", "fill_splits", "split_layout", "merge_splits", "split_dtype",
+           "MIN_SPLIT_KEYS", "MAX_SPLITS", "OVERHEAD_KEYS"]
 
 MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 32
+# A portable program's fixed traffic in least_waves' model: a 128-row tile's queries loaded, its partial stored and
+# read back by the merge, three [128, D] tiles against a key's two rows (K and V): 192 keys' worth.
+OVERHEAD_KEYS = 3 * 128 / 2
 
 
 def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Optional[int] = None, *,
                 interpreted: bool = False) -> int:
-    """Programs per (tile, head): ``splits`` when given (checked), else on CUDA enough to give every SM about two
-    programs, with at least :data:`MIN_SPLIT_KEYS` keys each of the longest user's ``max_keys`` (cached prefix and
-    new history), so a batch whose users have few keys is never split; 1 elsewhere (and in the interpreter)."""
+    """Programs per (tile, head): ``splits`` when given (checked), else on CUDA the count of :func:`least_waves`
+    for ``num_work`` (tile, head) pairs, one program per SM (an 8-warp config fills an SM's registers; Nsight
+    Compute, 2026-11-26b) and a 128-row tile's fixed traffic (:data:`OVERHEAD_KEYS`): splits are added where they
+    cut the time of the launch's last wave, not to fill a count of programs; a batch whose users have few keys is
+    never split; 1 elsewhere (and in the interpreter). :func:`fill_splits` is the rule this replaced."""
     if splits is not None:
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
         return splits
     if device.type != "cuda" or interpreted or num_work <= 0:
         return 1
-    cores = C.num_cores(device)
-    if num_work >= cores:
-        return 1
-    return min(C.cdiv(2 * cores, num_work), most_splits(max_keys))
+    return least_waves(num_work, C.num_cores(device), max_keys, OVERHEAD_KEYS)
+
+
+def least_waves(programs_per_split: int, slots: int, max_keys: int, overhead_keys: float) -> int:
+    """The split count ``S`` in ``[1, most_splits(max_keys)]`` with the least ``waves(S) x (max_keys / S +
+    overhead_keys)``: a launch of ``programs_per_split x S`` programs, ``slots`` at a time (SMs x the programs
+    an SM holds), runs ``waves(S) = ceil(programs_per_split x S / slots)`` waves of programs that each stream
+    ``max_keys / S`` keys and a fixed ``overhead_keys`` keys' worth (its queries' load, its partial's store and
+    the merge's read of it); ties go to fewer splits. At NVIDIA's ranking shape (12 (tile, head) pairs, 132 SMs,
+    4096 keys) 11 splits make one wave, where two programs per SM (:func:`fill_splits`: 16) make 1.45, i.e. two."""
+    return min(range(1, most_splits(max_keys) + 1),
+               key=lambda s: C.cdiv(programs_per_split * s, slots) * (max_keys / s + overhead_keys))
 
 
 def most_splits(max_keys: int) -> int:
     """The most splits of ``max_keys`` keys (the longest user's) either split rule chooses: at least
     :data:`MIN_SPLIT_KEYS` keys each, at most :data:`MAX_SPLITS`; at least 1."""
     return max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def fill_splits(device: torch.device, num_work: int, max_keys: int) -> int:
+    """The split rule before :func:`least_waves` (``relaygr bench kernels --splits fill`` times it beside the
+    default): on CUDA about two programs per SM where ``num_work`` (tile, head) pairs leave SMs idle, at least
+    :data:`MIN_SPLIT_KEYS` keys each; 1 elsewhere."""
+    cores = C.num_cores(device) if device.type == "cuda" else 0
+    if num_work <= 0 or num_work >= cores:
+        return 1
+    return min(C.cdiv(2 * cores, num_work), most_splits(max_keys))
 
 
 def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Optional[int] = None,
@@ -117,8 +141,8 @@ def merge_splits(ws: torch.Tensor, ml: Optional[torch.Tensor], out: torch.Tensor
 def split_dtype(dtype: Optional[torch.dtype], model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the split partials are stored in: ``dtype`` when given (fp32, fp16 or bf16; no bf16 in the CPU
     interpreter), else the model's when it is 16-bit (half the bytes of fp32: the partials are the largest buffer a
-    split launch writes, and the merge reads, e.g. 16 splits x 384 rows x 4 heads x 256 values a layer at NVIDIA's
-    ranking shape: 12.6 MB instead of 25) and fp32 for an fp32 model (its results stay exact to fp32 rounding).
+    split launch writes, and the merge reads, e.g. 11 splits x 384 rows x 4 heads x 256 values a layer at NVIDIA's
+    ranking shape: 8.7 MB instead of 17) and fp32 for an fp32 model (its results stay exact to fp32 rounding).
     Either way a split accumulates in fp32 and the merge adds up in fp32: a 16-bit partial adds one rounding of
     the model's precision to each split's share."""
     if dtype is None:

@@ -49,7 +49,30 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
         with pytest.raises(SystemExit):
             bench.main(bad)
     err = capsys.readouterr().err
-    assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto' and/or integers in [1, 32]" in err
+    assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto', 'fill' and/or integers in [1, 32]" in err
+
+
+@needs_interpreter
+def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path, capsys, monkeypatch):
+    """``--splits auto,fill``: each shape under the launcher's rule and under the rule it replaced
+    (``_split.fill_splits``, asked with the plan's (tile, head) pairs and longest user's keys, its count given to
+    the launch), one geomean per rule, the fill rows marked in the table and kept out of the long-shape fractions
+    (here none: no matmul rate in the interpreter)."""
+    from relaygr_engine.bench import kernels as bench
+    from relaygr_engine.kernels import _split
+
+    asked = []
+    monkeypatch.setattr(_split, "fill_splits", lambda device, work, keys: asked.append((work, keys)) or 2)
+    path = tmp_path / "k.json"
+    assert bench.main(["--modes", "hstu", "--shape", "B=1,P=300,n=3,C=5,H=2,D=32,page=16", "--splits", "auto,fill",
+                       "--json", str(path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["split_rule"], r["splits"]) for r in rows] == [("auto", 1), ("fill", 2)]
+    assert asked == [(4, 303)]  # a history tile and a candidate tile x 2 heads; 300 + 3 keys
+    assert all(r["max_abs_err"] <= ATOL for r in rows)
+    assert "geomean_ms_split_auto=" in out[-1] and "geomean_ms_split_fill=" in out[-1]
+    assert sum(" 2f " in line for line in out) == 1
 
 
 @needs_interpreter

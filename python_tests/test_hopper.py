@@ -81,15 +81,15 @@ def test_rows_the_hopper_kernel_does_not_take_see_a_neutral_extra_slot(mode, mon
 def test_splits_fill_whole_waves_of_the_programs_an_sm_holds(monkeypatch):
     """The Hopper launches' split count: at NVIDIA's ranking shape (2 candidate tiles and 1 history tile of 128
     rows, 4 heads, head dim 256: 24 programs a split; 132 SMs holding 2 each) 11 splits, one full wave (the
-    portable rule's 16 make 384 programs: two waves); no split where one already fills the SMs and keys are few;
-    at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as its own choice."""
+    portable kernel's former rule's 16 make 384 programs: two waves); no split where one already fills the SMs
+    and keys are few; at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as its own choice."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from relaygr_engine.kernels import _common, _split
 
     monkeypatch.setattr(_common, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
     assert HL.pick_splits(cuda, 256, 24, 3968 + 128) == 11
-    assert _split.pick_splits(cuda, 12, 3968 + 128) == 16 and 24 * 16 > 132 * 2  # (the portable rule's count)
+    assert _split.fill_splits(cuda, 12, 3968 + 128) == 16 and 24 * 16 > 132 * 2  # (the former portable rule's)
     assert HL.pick_splits(cuda, 256, 264, 4096) == 1                             # one split fills every slot
     assert HL.pick_splits(cuda, 64, 24, 600) == 2                                # 600 // MIN_SPLIT_KEYS
     assert HL.pick_splits(cuda, 128, 24, 100) == 1 and HL.pick_splits(torch.device("cpu"), 256, 24, 4096) == 1

@@ -286,19 +286,29 @@ def test_prefix_attention_fp32_cuda_ieee():
     check_attention(args, attention_kwargs("softmax", bias, 64), persistent=True)
 
 
-def test_pick_splits_splits_only_users_with_many_keys_that_leave_cores_idle(monkeypatch):
+def test_pick_splits_cuts_the_last_wave_and_splits_only_users_with_many_keys(monkeypatch):
+    """The portable kernel's split count: the fewest waves of one program per SM times each program's keys and
+    fixed traffic (``least_waves``), so a count whose last wave is nearly empty loses to one of whole waves; never
+    more splits than ``MIN_SPLIT_KEYS`` allows. The rule it replaced (``fill_splits``, about two programs per SM)
+    stays as it was, for ``bench kernels --splits fill``."""
     from relaygr_engine.kernels import _split
 
     monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
-    assert _split.pick_splits(cuda, 24, 2000) == 7           # 24 programs on 132 cores: 2000 // 256 keys-limited
-    assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # core-limited: cdiv(2 * 132, 24)
-    assert _split.pick_splits(cuda, 12, 3968 + 128) == 16    # a ranking at NVIDIA's shape: 4096 keys // 256
-    assert _split.pick_splits(cuda, 24, 255) == 1            # too few cached keys per split
-    assert _split.pick_splits(cuda, 0, 0) == 1 and _split.pick_splits(cuda, 200, 1 << 20) == 1
+    assert _split.pick_splits(cuda, 12, 3968 + 128) == 11    # a ranking at NVIDIA's shape: 132 programs, one wave
+    assert _split.pick_splits(cuda, 24, 1 << 20) == 11       # 264 programs: two whole waves
+    assert _split.pick_splits(cuda, 24, 2000) == 5           # 120 programs, one wave (7 would make two)
+    assert _split.pick_splits(cuda, 144, 16448) == 9         # 144 programs: 1.09 waves unsplit, 9.8 of 1/9 the keys
+    assert _split.pick_splits(cuda, 96, 4160) == 4           # 3 (the former rule) make 2.2 waves, 4 make 2.9
+    assert _split.pick_splits(cuda, 264, 1 << 20) == 1       # two whole waves unsplit
+    assert _split.pick_splits(cuda, 24, 255) == 1 and _split.pick_splits(cuda, 200, 511) == 1  # too few keys
+    assert _split.pick_splits(cuda, 0, 0) == 1
     assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
     assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
     assert _split.pick_splits(torch.device("cpu"), 1, 0, splits=4) == 4
+    assert [_split.fill_splits(cuda, w, k) for w, k in ((24, 2000), (24, 1 << 20), (12, 4096), (200, 1 << 20))] \
+        == [7, 11, 16, 1]
+    assert _split.fill_splits(torch.device("cpu"), 12, 4096) == 1
     for bad in (0, 33, True, 2.0):
         with pytest.raises(ValueError, match="splits must be an integer in"):
             _split.pick_splits(cuda, 24, 3968, splits=bad)
@@ -306,19 +316,19 @@ def test_pick_splits_splits_only_users_with_many_keys_that_leave_cores_idle(monk
 
 def test_split_layout_shares_every_key_evenly_and_drops_empty_splits(monkeypatch):
     """The launcher's splits: at NVIDIA's ranking shape (3968 cached keys + 128 new history rows, 12 tiles x heads)
-    16 splits of 256 keys, where splitting the prefix alone gave 15 of 384 (4 of them empty, and split 0 also took
+    11 splits of 384 keys, where splitting the prefix alone gave 15 of 384 (4 of them empty, and split 0 also took
     the 128 new keys); a chosen count never leaves a split without keys; a caller's count is kept; the splits
     always cover the longest user's keys."""
     from relaygr_engine.kernels import _split
 
     monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
-    assert _split.split_layout(cuda, 12, 3968 + 128) == (16, 256)
-    assert _split.split_layout(cuda, 12, 4096 + 128) == (14, 320)       # a graph bucket's bound (prefix 4096)
-    assert _split.split_layout(cuda, 24, 2000) == (7, 320)            # 2000 // 256 = 7 splits; 7 x 320 >= 2000
+    assert _split.split_layout(cuda, 12, 3968 + 128) == (11, 384)
+    assert _split.split_layout(cuda, 12, 4096 + 128) == (11, 384)       # a graph bucket's bound (prefix 4096)
+    assert _split.split_layout(cuda, 24, 2000) == (5, 448)            # 5 x 448 >= 2000
     assert _split.split_layout(cuda, 24, 1000) == (3, 384)            # 3 x 384 >= 1000: no fourth split
     assert _split.split_layout(cuda, 24, 255) == (1, 256)             # one split covers every key
-    assert _split.split_layout(cuda, 12, 3968, block_n=128) == (11, 384)  # 15 chosen, 128-key aligned: 11 used
+    assert _split.split_layout(cuda, 4, 1040, block_n=128) == (3, 384)  # 4 chosen, 128-key aligned: 3 used
     assert _split.split_layout(cuda, 12, 3968, splits=31) == (31, 128)    # a caller's count, as given
     assert _split.split_layout(torch.device("cpu"), 1, 0) == (1, 64)
     for work, keys in ((12, 4096), (24, 2000), (5, 100_000), (100, 700), (3, 64 * 31 + 1)):

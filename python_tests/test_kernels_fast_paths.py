@@ -242,7 +242,7 @@ def test_concurrent_tiles_fork_the_history_launch_and_join_before_the_merge(monk
 
 def test_concurrent_tiles_default_where_the_history_launch_leaves_sms_idle(monkeypatch):
     """None: two streams on CUDA where both kinds of tile have work and the history launch has fewer programs than
-    SMs (NVIDIA's ranking shape: 1 history tile x 4 heads x 16 splits = 64 of 132), one stream where it fills them
+    SMs (NVIDIA's ranking shape: 1 history tile x 4 heads x 11 splits = 44 of 132), one stream where it fills them
     (a long full inference) or off CUDA; a caller's choice is kept where both kinds have work."""
     from relaygr_engine.kernels import _common as C, _prefix_plan, prefix_attention as pa
 

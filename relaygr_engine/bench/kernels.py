@@ -27,7 +27,7 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -171,7 +171,7 @@ def _overlap_from() -> int:
 
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
-              splits: Optional[int] = None, value_splits: Optional[int] = None,
+              splits: Union[int, str, None] = None, value_splits: Optional[int] = None,
               concurrent_tiles: Optional[bool] = None, split_dtype: Optional[torch.dtype] = None,
               hopper_kernel: bool = False, hopper_overlap: Optional[bool] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
@@ -179,7 +179,9 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
     the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
-    rule); the row's ``splits`` is the number used, ``split_keys`` the keys each takes. ``value_splits``: programs
+    rule; ``"fill"``: the rule it replaced, :func:`~relaygr_engine.kernels._split.fill_splits`); the row's
+    ``splits`` is the number used, ``split_rule`` which rule chose it (``auto``, ``fill`` or ``given``),
+    ``split_keys`` the keys each takes. ``value_splits``: programs
     per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
@@ -189,7 +191,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     the row's ``hopper_overlap`` (only where the sm_90 kernel runs)."""
     from relaygr_engine.kernels import _hopper_launch as HL
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
-    from relaygr_engine.kernels._split import split_dtype as partials_dtype
+    from relaygr_engine.kernels._split import fill_splits, split_dtype as partials_dtype
     from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
                                                           schedule)
 
@@ -204,6 +206,9 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
+    rule = "auto" if splits is None else "fill" if splits == "fill" else "given"
+    if rule == "fill":  # (the former rule's count for this plan, given as a count)
+        splits = fill_splits(device, plan.num_tiles * shape.heads * (value_splits or 1), plan.max_context_len)
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
         concurrent_tiles=concurrent_tiles, split_dtype=split_dtype, hopper_kernel=hopper_kernel)
@@ -231,7 +236,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_rule=rule,
+               split_keys=split_keys,
                value_splits=value_splits, concurrent=concurrent, hopper_kernel=hopper_kernel,
                **({"hopper_overlap": hopper_overlap} if hopper_kernel else {}),
                split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
@@ -302,8 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "head dim; page=64 by default), e.g. one layer of a ranking at NVIDIA's HSTU shape")
     ap.add_argument("--splits", default="auto",
                     help="programs per tile and head over its keys (cached prefix, then new history): auto (the "
-                         "launcher's rule) and/or a comma-separated list to compare, e.g. auto,1,7,15 (each shape "
-                         "runs once per value)")
+                         "launcher's rule: the fewest waves of programs), fill (the rule it replaced: about two "
+                         "programs per SM) and/or a comma-separated list to compare, e.g. auto,fill,1,7,15 (each "
+                         "shape runs once per value)")
     ap.add_argument("--value-splits", default="auto",
                     help="programs per tile over its value columns: auto (autotuned on CUDA: 1 or 2 above head dim "
                          "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")
@@ -348,7 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     block_ms = _int_list(ap, "--block-m", opts.block_m, lambda b: b >= 16 and not b & (b - 1), "powers of two >= 16")
     from relaygr_engine.kernels._split import MAX_SPLITS
 
-    splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]")
+    splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]",
+                       words=("fill",))
     v_splits = _int_list(ap, "--value-splits", opts.value_splits, lambda v: v >= 1 and not v & (v - 1),
                          "powers of two")
     custom = [_shape(ap, spec, m) for spec in opts.shape or () for m in modes]
@@ -405,20 +413,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      kv_dtype=opts.kv_dtype), opts.json, printed=True)
 
 
-def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool], what: str) -> list:
-    """The comma-separated values of ``text``: None for 'auto', else integers (a usage error unless all are
-    ``what``)."""
+def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool], what: str,
+              words: tuple = ()) -> list:
+    """The comma-separated values of ``text``: None for 'auto', a word of ``words`` as itself, else integers (a
+    usage error unless all are ``what``)."""
     values = []
     for x in (t.strip() for t in text.split(",")):
         if x == "auto":
             values.append(None)
+        elif x in words:
+            values.append(x)
         elif x.isdigit() and ok(int(x)):
             values.append(int(x))
         elif x:
             values = []
             break
     if not values:
-        ap.error(f"{flag} must be 'auto' and/or {what}, comma-separated, got {text!r}")
+        ap.error(f"{flag} must be {', '.join(repr(w) for w in ('auto', *words))} and/or {what}, comma-separated, "
+                 f"got {text!r}")
     return values
 
 

@@ -12,7 +12,8 @@ __all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
-        "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
+        "over the cached prefix (split-prefix; f: the count of the rule the launcher's replaced, --splits fill); V: "
+        "programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
         "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s / o: its HSTU loop forced one "
         "block after the other / overlapped) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph "
@@ -39,7 +40,9 @@ def row_line(r: dict) -> str:
     keys each split takes, ``cc``, whether the two kinds of tile ran concurrently, and ``SD``, the split partials'
     dtype, where the row has them)."""
     v = r.get("value_splits")
-    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} {_fmt(r.get('split_keys'), 'd'):>6} "
+    fill = "f" if r.get("split_rule") == "fill" else ""
+    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd') + fill:>3} "
+            f"{_fmt(r.get('split_keys'), 'd'):>6} "
             f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
             f"{r.get('split_dtype') or '-':>4} "
             f"{_hopper_cell(r):>2} "
@@ -89,6 +92,7 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     # One geomean per value of a compared setting, to compare them in one run: split counts, value splits (auto:
     # the autotuner's choice), two streams vs one, the split partials in 16 bits vs fp32.
     summary.update(_geomean_by(rows, "splits", lambda n: f"s{n}"))
+    summary.update(_geomean_by(rows, "split_rule", lambda rule: f"split_{rule}"))
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
@@ -101,8 +105,14 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
         # measured in its run for its own FLOPs).
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
+        # (Rows of the former split rule, where a run compares it, in their own field: ..._<mode>_fill.)
         long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
+        fills = [r for r in long if r.get("split_rule") == "fill"]
+        long = [r for r in long if r.get("split_rule") != "fill"]
         for m in modes:
+            got = [r["matmul_fraction"] for r in fills if r["mode"] == m and not r.get("hopper_kernel")]
+            if got:
+                summary[f"matmul_fraction_long_{m}_fill"] = _geo(got)
             for hk in (False, True):
                 picked = [r["matmul_fraction"] for r in long if r["mode"] == m
                           and bool(r.get("hopper_kernel")) == hk and r.get("hopper_overlap") is None]
