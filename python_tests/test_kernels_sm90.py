@@ -157,7 +157,11 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
 
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
+    from relaygr_engine.kernels._compile import ENV_WORKERS, compile_workers
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (the configs compile on threads: at least two, where a serial run on two cores would default to one)
+    env.setdefault(ENV_WORKERS, str(max(2, compile_workers())))
     path = tmp_path / "d.json"
     cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
            "--split-prefix", "both", "--json", str(path)]
@@ -193,6 +197,34 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     for r in rows:
         assert r["config"]["block_m"] == (K.CUDA_BLOCK_M if r["config"]["cand_tiles"] else K.CUDA_HIST_BLOCK_M)
         assert r["spill_store_bytes"] == 0 and r["fits"] and r["loop"]["mma"] > 0 and r["loop"]["async_copies"] > 0
+
+
+BUILD_ON_THREADS = r"""
+import json, sys
+from dataclasses import asdict
+from relaygr_engine.bench.ptxas import Config, build_all
+
+grid = [Config("softmax", 64, True, 128, 32, 8, 2), Config("hstu", 64, False, 64, 64, 4, 3, tma=True),
+        Config("hstu-nobias", 128, True, 128, 64, 8, 2, split=True)]
+rows = [[{k: v for k, v in asdict(b).items() if k != "compile_s"} for b in build_all(grid, workers=w)]
+        for w in (0, 3)]
+json.dump(rows, sys.stdout)
+"""
+
+
+def test_bench_ptxas_builds_on_threads_as_one_after_the_other():
+    """``bench ptxas`` compiles its configs on threads (``build_all``): the same reports, in the grid's order, as
+    compiled one after the other."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", BUILD_ON_THREADS], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    serial, threaded = json.loads(proc.stdout)
+    assert serial == threaded and len(serial) == 3
+    assert [(r["config"]["mode"], r["config"]["head_dim"]) for r in threaded] == [
+        ("softmax", 64), ("hstu", 64), ("hstu-nobias", 128)]
 
 
 def test_prune_configs_keeps_the_rules_the_static_report_found():

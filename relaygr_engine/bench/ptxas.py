@@ -30,8 +30,9 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..cli_args import ArgumentParser, POSITIVE_INTS
 from .sass import Mix, instruction_mix
@@ -217,22 +218,38 @@ def ptxas_report(ptx: str, arch: int = 90) -> tuple[int, int, int]:
 
 
 def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optional[int] = None) -> Build:
-    """Compile one config and read its resources and instruction mix."""
+    """Compile one config and read its resources and instruction mix (Triton's warnings as the caller's filters
+    say: :func:`build_all` silences them)."""
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        kernel = compile_attention(cfg.mode.split("-")[0], cfg.head_dim, cfg.block_m, cfg.block_n,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
-                                   page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
-                                   bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
-                                   hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma, v_splits=cfg.v_splits,
-                                   m_splits=cfg.m_splits, maxnreg=cfg.maxnreg, split=cfg.split)
+    kernel = compile_attention(cfg.mode.split("-")[0], cfg.head_dim, cfg.block_m, cfg.block_n,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, persistent=cfg.persistent,
+                               page_size=page_size, dtype=dtype, arch=arch, cand_tiles=cfg.cand_tiles,
+                               bias=cfg.mode in BIASED, kv_dtype=cfg.kv_dtype,
+                               hist_table=cfg.mode != "hstu-inkernel", tma=cfg.tma, v_splits=cfg.v_splits,
+                               m_splits=cfg.m_splits, maxnreg=cfg.maxnreg, split=cfg.split)
     regs, st, ld = ptxas_report(kernel.asm["ptx"], arch)
     whole, loop = instruction_mix(kernel.asm["cubin"])
     smem = int(kernel.metadata.shared)
     limit = smem_limit or limits(arch).smem_per_block
     return Build(cfg, regs, st, ld, smem, smem <= limit, programs_per_sm(regs, smem, cfg.num_warps, arch), whole, loop,
                  time.perf_counter() - t0)
+
+
+def build_all(grid: list[Config], workers: Optional[int] = None, **kw) -> Iterator[Build]:
+    """:func:`build` of each config of ``grid`` (keywords as :func:`build`'s), in order, as each is ready: on
+    ``workers`` threads (default: :func:`~relaygr_engine.kernels._compile.compile_workers`,
+    ``RELAYGR_COMPILE_WORKERS``; Triton's compiler releases the GIL, ptxas and nvdisasm are processes), Triton's
+    warnings silenced."""
+    from relaygr_engine.kernels._compile import compile_workers
+
+    workers = compile_workers() if workers is None else workers
+    with warnings.catch_warnings():  # (the filters are the process's: set once here, not per thread)
+        warnings.simplefilter("ignore")
+        if workers < 2:
+            yield from (build(cfg, **kw) for cfg in grid)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            yield from pool.map(lambda cfg: build(cfg, **kw), grid)
 
 
 def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True,
@@ -412,9 +429,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
           f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4} {'lcl':>3}")
     rows = []
-    for cfg in grid:
-        rows.append(build(cfg, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch))
-        print(_row(rows[-1]), flush=True)
+    for b in build_all(grid, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch):
+        rows.append(b)
+        print(_row(b), flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(arch=opts.arch, dtype=opts.dtype, page_size=opts.page_size, triton=triton.__version__,
