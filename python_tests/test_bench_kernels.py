@@ -38,6 +38,7 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     out = capsys.readouterr().out.strip().splitlines()
     last = out[-1]
     assert "geomean_ms_s1=" in last and "geomean_ms_s3=" in last  # auto: no split in the interpreter
+    assert "geomean_ms_split_" not in last  # (one rule and a fixed count: no comparison of rules)
     rows = json.loads(path.read_text())["rows"]
     assert sorted((r["mode"], r["splits"]) for r in rows) == [("hstu", 1), ("hstu", 3), ("softmax", 1),
                                                               ("softmax", 3)]

@@ -92,7 +92,8 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     # One geomean per value of a compared setting, to compare them in one run: split counts, value splits (auto:
     # the autotuner's choice), two streams vs one, the split partials in 16 bits vs fp32.
     summary.update(_geomean_by(rows, "splits", lambda n: f"s{n}"))
-    summary.update(_geomean_by(rows, "split_rule", lambda rule: f"split_{rule}"))
+    summary.update(_geomean_by([r for r in rows if r.get("split_rule") != "given"], "split_rule",
+                               lambda rule: f"split_{rule}"))  # (the two rules; fixed counts are s<N> above)
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
