@@ -20,8 +20,8 @@
 # variants for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
 #   1. STEPS="kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule"  (DEADLINE_S=520: the split rule
-#      of 2026-11-27 beside the one it replaced, every shape, one run; `kernels-rule` joins what finished (no GPU
-#      work: it can run here afterwards on the parts' JSON))
+#      of 2026-11-27 beside the one it replaced, every shape, one run; `kernels-rule` joins the parts that finished
+#      (no GPU work: it can run here afterwards on the parts' JSON); a part cut by the deadline runs in a later call)
 #   2. with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below): STEPS="env tests-kv8 rank"  (DEADLINE_S on what is
 #      left: whether the kernel's 8-bit read, which faulted with int8 and fp8 pages under Triton 3.6's ptxas 12.8 on
 #      2026-11-26, passes when a CUDA 13 ptxas assembles it; rank: NVIDIA's ranking shape under that ptxas and the
@@ -35,14 +35,16 @@
 # which NVIDIA's and Triton's notes say fixes wgmma miscompiles that fault as ours does): copy Triton 3.9's
 # `triton/backends/nvidia/bin/ptxas-blackwell` (52 MB) into an ignored folder of the checkout, e.g. `.carry/ptxas`
 # (`echo /.carry/ >> .git/info/exclude`), name `.carry` in the device call's carry, and prefix the command with
-# TRITON_PTXAS_PATH=$PWD/.carry/ptxas (the env step prints which ptxas assembles sm_90 code).
+# TRITON_PTXAS_PATH=$PWD/.carry/ptxas (Triton 3.6-3.8 read it for sm_90; 3.9 reads TRITON_PTXAS_BLACKWELL_PATH and
+# already uses 13.4; the env step prints which ptxas assembles sm_90 code).
 # Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
 # rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; in the second
 # run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper; in the third (H200)
 # tests-hopper-twin kernels-hopper-rank rank tests-gpu rank-hopper (tests-cuda and sanitize-kv8 cut); in the fourth
 # (H200) tests-cuda (all pass), tests-kv8 (int8 and fp8 fault), kernels-hopper.
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
-# `kernels` only joins the parts' JSON (no GPU work): run it afterwards on any machine, with the parts' files in OUT.
+# `kernels` (and `kernels-rule`) only join the parts' JSON that are there (no GPU work): run them afterwards on any
+# machine, with the parts' files in OUT.
 #
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128
 # kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits
@@ -131,8 +133,8 @@ step tests-gpu 540 $PY -m pytest -q -rfEs ${xdist} -m gpu python_tests -p no:cac
 for d in 64 128 256; do
     step "kernels-d${d}" 600 $PY -m relaygr_engine.cli bench kernels --head-dims "${d}" --json "${OUT_DIR}/kernels-d${d}.json"
 done
-step kernels 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-d64.json" \
-    "${OUT_DIR}/kernels-d128.json" "${OUT_DIR}/kernels-d256.json" --json "${OUT_DIR}/kernels.json"
+step kernels 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \"${OUT_DIR}\"/kernels-d*.json \
+    --json \"${OUT_DIR}/kernels.json\""
 # The split count's rule (kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
 # replaced (fill: about two programs per SM, none once the tiles make a wave), every shape under both in one run, by
 # head dim as above: matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
@@ -142,8 +144,8 @@ for d in 64 128 256; do
     step "kernels-rule-d${d}" 600 $PY -m relaygr_engine.cli bench kernels --head-dims "${d}" --splits auto,fill \
         --json "${OUT_DIR}/kernels-rule-d${d}.json"
 done
-step kernels-rule 60 $PY -m relaygr_engine.cli bench kernels --summarize "${OUT_DIR}/kernels-rule-d64.json" \
-    "${OUT_DIR}/kernels-rule-d128.json" "${OUT_DIR}/kernels-rule-d256.json" --json "${OUT_DIR}/kernels-rule.json"
+step kernels-rule 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \
+    \"${OUT_DIR}\"/kernels-rule-d*.json --json \"${OUT_DIR}/kernels-rule.json\""
 # One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
 # the launcher's split count (auto) beside fixed ones, the two kinds of tile launched on two streams at once (auto)
 # and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)

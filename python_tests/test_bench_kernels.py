@@ -53,6 +53,31 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto', 'fill' and/or integers in [1, 32]" in err
 
 
+def test_summary_keeps_the_former_split_rule_to_its_own_fields():
+    """A CUDA run comparing the split rules (``--splits auto,fill``): the headline figures and the long-shape
+    fractions are the launcher's rule's rows; the former rule's rows only in ``..._fill`` and
+    ``geomean_ms_split_fill`` (and in the largest error); fixed counts are not a rule."""
+    from relaygr_engine.bench import kernels_summary as S
+
+    def row(rule, splits, ms, frac, err=1e-3, prefix=16384):
+        return dict(mode="hstu", block_m=128, speedup_vs_gathered=2.0, max_abs_err=err, speedup_vs_recompute=30.0,
+                    paged_overhead=0.01 if rule != "fill" else 0.5, time_ms=ms, splits=splits, split_rule=rule,
+                    prefix=prefix, new=32, cands=1024, users=4, matmul_fraction=frac, hopper_kernel=False)
+
+    rows = [row("auto", 9, 0.6, 0.5), row("fill", 1, 1.0, 0.3, err=2e-3), row("auto", 5, 0.1, 0.4, prefix=4096),
+            row("fill", 6, 0.12, 0.35, prefix=4096)]
+    got = S.summarize(rows, device="cuda", dtype="bfloat16")
+    assert got["shapes"] == 4 and got["max_abs_err"] == 2e-3 and got["max_paged_overhead"] == 0.01
+    assert got["min_matmul_fraction"] == 0.4
+    assert got["matmul_fraction_long_hstu"] == pytest.approx((0.5 * 0.4) ** 0.5)
+    assert got["matmul_fraction_long_hstu_fill"] == pytest.approx((0.3 * 0.35) ** 0.5)
+    assert got["geomean_ms_split_auto"] == pytest.approx((0.6 * 0.1) ** 0.5)
+    assert got["geomean_ms_split_fill"] == pytest.approx((1.0 * 0.12) ** 0.5)
+    assert "geomean_ms_s1" not in got and "geomean_ms_s6" not in got  # (the fill rows' counts)
+    given = S.summarize([row("auto", 9, 0.6, 0.5), row("given", 3, 0.7, 0.45)], device="cuda", dtype="bfloat16")
+    assert "geomean_ms_split_auto" not in given and given["geomean_ms_s3"] == 0.7
+
+
 @needs_interpreter
 def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path, capsys, monkeypatch):
     """``--splits auto,fill``: each shape under the launcher's rule and under the rule it replaced
@@ -74,6 +99,10 @@ def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path
     assert all(r["max_abs_err"] <= ATOL for r in rows)
     assert "geomean_ms_split_auto=" in out[-1] and "geomean_ms_split_fill=" in out[-1]
     assert sum(" 2f " in line for line in out) == 1
+    monkeypatch.setattr(bench, "_prepare_device", lambda name: (torch.device("cuda"), ""))
+    with pytest.raises(SystemExit):  # (the sm_90 kernel's count is its own: no former rule to time)
+        bench.main(["--splits", "auto,fill", "--hopper-kernel", "no,yes"])
+    assert "--splits fill is the portable kernel's former split rule" in capsys.readouterr().err
 
 
 @needs_interpreter

@@ -161,7 +161,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # (the configs compile on threads: at least two, where a serial run on two cores would default to one)
-    env.setdefault(ENV_WORKERS, str(max(2, compile_workers())))
+    env[ENV_WORKERS] = str(max(2, compile_workers()))
     path = tmp_path / "d.json"
     cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
            "--split-prefix", "both", "--json", str(path)]

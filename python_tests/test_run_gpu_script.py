@@ -92,3 +92,18 @@ def test_failures_are_listed_and_unknown_steps_stop_it_first(tmp_path):
     proc, calls = _run(tmp_path, "rank tiers-9k")
     assert proc.returncode == 2 and "unknown step 'tiers-9k'" in proc.stderr
     assert calls == []                                                  # not even the install ran
+
+
+def test_the_join_steps_take_the_parts_that_finished(tmp_path):
+    """``kernels`` and ``kernels-rule`` join the head-dim parts' JSON found in OUT_DIR (a part cut by a call's
+    deadline wrote none), and nothing of the other's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("kernels-rule-d256", "kernels-rule-d64", "kernels-d128"):
+        (out / f"{name}.json").write_text("{}")
+    proc, calls = _run(tmp_path, "kernels-rule kernels")
+    assert proc.returncode == 0, proc.stderr
+    rule, plain = [c for c in calls if "--summarize" in c]
+    assert "--summarize" in rule and f"{out}/kernels-rule-d256.json" in rule and f"{out}/kernels-rule-d64.json" in rule
+    assert "d128" not in rule and rule.endswith(f"--json {out}/kernels-rule.json")
+    assert f"{out}/kernels-d128.json" in plain and "rule" not in plain.split("--json")[0]

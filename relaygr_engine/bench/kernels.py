@@ -191,7 +191,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     the row's ``hopper_overlap`` (only where the sm_90 kernel runs)."""
     from relaygr_engine.kernels import _hopper_launch as HL
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
-    from relaygr_engine.kernels._split import fill_splits, split_dtype as partials_dtype
+    from relaygr_engine.kernels._split import fill_splits, split_dtype as partials_dtype, split_layout
     from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
                                                           schedule)
 
@@ -207,8 +207,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                               block_m=block_m)
     plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
     rule = "auto" if splits is None else "fill" if splits == "fill" else "given"
-    if rule == "fill":  # (the former rule's count for this plan, given as a count)
-        splits = fill_splits(device, plan.num_tiles * shape.heads * (value_splits or 1), plan.max_context_len)
+    if rule == "fill":  # (the former rule's count for this plan, trimmed as a chosen count is, given as a count)
+        work = plan.num_tiles * shape.heads * (value_splits or 1)
+        splits = split_layout(device, work, plan.max_context_len,
+                              target=fill_splits(device, work, plan.max_context_len))[0]
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
         concurrent_tiles=concurrent_tiles, split_dtype=split_dtype, hopper_kernel=hopper_kernel)
@@ -375,6 +377,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
     overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False, "yes": True})
+    if "fill" in splits and True in hoppers:
+        ap.error("--splits fill is the portable kernel's former split rule: not with --hopper-kernel yes (the sm_90 "
+                 "kernel has its own)")
     if overlaps != [None] and True not in hoppers:
         ap.error("--hopper-overlap compares the sm_90 kernel's loops: it needs --hopper-kernel yes")
     dtype = torch.float32 if cpu else torch.bfloat16

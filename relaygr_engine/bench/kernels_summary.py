@@ -69,13 +69,16 @@ def _hopper_cell(r: dict) -> str:
 
 
 def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "model") -> dict:
-    """The RESULT fields of ``rows`` (one run's, or several runs' of one device and dtype)."""
+    """The RESULT fields of ``rows`` (one run's, or several runs' of one device and dtype). Rows of the former split
+    rule (``--splits fill``) are a comparison: only their own fields (``geomean_ms_split_fill``,
+    ``matmul_fraction_long_<mode>_fill``) and the largest error count them."""
     cpu = device.startswith("cpu")
+    every, rows = rows, [r for r in rows if r.get("split_rule") != "fill"] or rows
     modes = sorted({r["mode"] for r in rows})
     block_ms = sorted({r["block_m"] for r in rows})
     sm = [r["speedup_vs_gathered"] for r in rows if r["mode"] == "softmax"]
-    summary = dict(device=device, interpreter=int(cpu), dtype=dtype, shapes=len(rows),
-                   max_abs_err=max(r["max_abs_err"] for r in rows),
+    summary = dict(device=device, interpreter=int(cpu), dtype=dtype, shapes=len(every),
+                   max_abs_err=max(r["max_abs_err"] for r in every),
                    min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=_geo(sm),
                    geomean_speedup_vs_recompute=_geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
@@ -92,7 +95,7 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     # One geomean per value of a compared setting, to compare them in one run: split counts, value splits (auto:
     # the autotuner's choice), two streams vs one, the split partials in 16 bits vs fp32.
     summary.update(_geomean_by(rows, "splits", lambda n: f"s{n}"))
-    summary.update(_geomean_by([r for r in rows if r.get("split_rule") != "given"], "split_rule",
+    summary.update(_geomean_by([r for r in every if r.get("split_rule") != "given"], "split_rule",
                                lambda rule: f"split_{rule}"))  # (the two rules; fixed counts are s<N> above)
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
@@ -107,9 +110,9 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         # measured in its run for its own FLOPs).
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
         # (Rows of the former split rule, where a run compares it, in their own field: ..._<mode>_fill.)
-        long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
-        fills = [r for r in long if r.get("split_rule") == "fill"]
-        long = [r for r in long if r.get("split_rule") != "fill"]
+        long_of = lambda rs: [r for r in rs if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256  # noqa: E731
+                              and r["users"] >= 4]
+        long, fills = long_of(rows), [r for r in long_of(every) if r.get("split_rule") == "fill"]
         for m in modes:
             got = [r["matmul_fraction"] for r in fills if r["mode"] == m and not r.get("hopper_kernel")]
             if got:

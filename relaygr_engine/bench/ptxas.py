@@ -236,7 +236,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
 
 
 def build_all(grid: list[Config], workers: Optional[int] = None, **kw) -> Iterator[Build]:
-    """:func:`build` of each config of ``grid`` (keywords as :func:`build`'s), in order, as each is ready: on
+    """:func:`build` of each config of ``grid`` (keywords as :func:`build`'s), in the grid's order: on
     ``workers`` threads (default: :func:`~relaygr_engine.kernels._compile.compile_workers`,
     ``RELAYGR_COMPILE_WORKERS``; Triton's compiler releases the GIL, ptxas and nvdisasm are processes), Triton's
     warnings silenced."""
