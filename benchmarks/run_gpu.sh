@@ -20,19 +20,23 @@
 # variants for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
 #   1. STEPS="kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule"  (DEADLINE_S=520: the split rule
-#      of 2026-11-27 beside the one it replaced, every shape, one run; `kernels-rule` joins the parts that finished
-#      (no GPU work: it can run here afterwards on the parts' JSON); a part cut by the deadline runs in a later call)
-#   2. with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below): STEPS="env tests-kv8 rank"  (DEADLINE_S on what is
-#      left: whether the kernel's 8-bit read, which faulted with int8 and fp8 pages under Triton 3.6's ptxas 12.8 on
-#      2026-11-26, passes when a CUDA 13 ptxas assembles it; rank: NVIDIA's ranking shape under that ptxas and the
-#      new split count, against 1.43 ms on the H200 with 12.8 and the old count (two changes at once: a first look))
+#      of 2026-11-27 beside the one it replaced, every shape, one run per head dim; each part about twice a
+#      kernels-d* step (85-122 s on the H100), so d64 may be cut; `kernels-rule` joins the parts that finished (no
+#      GPU work: it can run here afterwards on the parts' JSON))
+#   2. on the same warm machine, into the same OUT_DIR: STEPS="kernels-rule-d64 kernels-rule" if d64 was cut, then
+#      in the same call a second invocation with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below) and its own
+#      OUT_DIR: STEPS="env tests-kv8 rank" (DEADLINE_S on what is left: whether the kernel's 8-bit read, which
+#      faulted with int8 and fp8 pages under Triton 3.6's ptxas 12.8 on 2026-11-26, passes when a CUDA 13 ptxas
+#      assembles it; rank: NVIDIA's ranking shape under that ptxas and the new split count, against 1.43 ms on the
+#      H200 with 12.8 and the old count: two changes at once, a first look)
 #   3. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
 #   4+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
 #      at this shape: its length is unknown; a seed cut short resumes in a later call from its points.jsonl, its
 #      folder copied back into OUT_DIR/slo-seeds first)
 #   then STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
-# A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59,
-# which NVIDIA's and Triton's notes say fixes wgmma miscompiles that fault as ours does): copy Triton 3.9's
+# A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59;
+# public reports tie Hopper wgmma faults of our kind to ptxas before CUDA 13, not established for this kernel; the
+# report: benchmarks/results/gpu-h200-2026-11-26b/README.md): copy Triton 3.9's
 # `triton/backends/nvidia/bin/ptxas-blackwell` (52 MB) into an ignored folder of the checkout, e.g. `.carry/ptxas`
 # (`echo /.carry/ >> .git/info/exclude`), name `.carry` in the device call's carry, and prefix the command with
 # TRITON_PTXAS_PATH=$PWD/.carry/ptxas (Triton 3.6-3.8 read it for sm_90; 3.9 reads TRITON_PTXAS_BLACKWELL_PATH and
