@@ -286,7 +286,8 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
 CUDA = torch.cuda.is_available()
 
 
-KERNEL_OFF = "the kernel's 8-bit read is off on CUDA (it faulted on an H100: relaygr_engine.quant.kernel_runs); " \
+KERNEL_OFF = "the kernel's 8-bit read is off on CUDA (it faulted on an H100 and an H200: " \
+    "relaygr_engine.quant.kernel_runs); " \
     f"{quant.KERNEL_ENV}=1 in the environment tests it (run_gpu.sh's sanitize-kv8 step, under compute-sanitizer)"
 
 
