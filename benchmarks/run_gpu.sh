@@ -20,9 +20,9 @@
 # variants for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
 #   1. STEPS="kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule"  (DEADLINE_S=520: the split rule
-#      of 2026-11-27 beside the one it replaced, every shape, one run per head dim; each part about twice a
-#      kernels-d* step (85-122 s on the H100), so d64 may be cut; `kernels-rule` joins the parts that finished (no
-#      GPU work: it can run here afterwards on the parts' JSON))
+#      of 2026-11-27 beside the one it replaced, every shape, one run per head dim; each part a kernels-d* step
+#      (85-122 s on the H100) and the fill rows, which time the kernel alone (about 1.5x in all?), so d64 may be
+#      cut; `kernels-rule` joins the parts that finished (no GPU work: it can run here afterwards on the JSON))
 #   2. on the same warm machine, into the same OUT_DIR: STEPS="kernels-rule-d64 kernels-rule" if d64 was cut, then
 #      in the same call a second invocation with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below) and its own
 #      OUT_DIR: STEPS="env tests-kv8 rank" (DEADLINE_S on what is left: whether the kernel's 8-bit read, which
@@ -141,7 +141,8 @@ step kernels 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \"$
     --json \"${OUT_DIR}/kernels.json\""
 # The split count's rule (kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
 # replaced (fill: about two programs per SM, none once the tiles make a wave), every shape under both in one run, by
-# head dim as above: matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
+# head dim as above (the fill rows time the kernel alone, beside the matmul rate; their baselines are the auto
+# rows'): matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
 # geomean_ms_split_{auto,fill}. (Split counts are runtime arguments: no new binary, but a split launch is its own
 # autotuned variant where the other rule does not split.)
 for d in 64 128 256; do

@@ -82,8 +82,8 @@ def test_summary_keeps_the_former_split_rule_to_its_own_fields():
 def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path, capsys, monkeypatch):
     """``--splits auto,fill``: each shape under the launcher's rule and under the rule it replaced
     (``_split.fill_splits``, asked with the plan's (tile, head) pairs and longest user's keys, its count given to
-    the launch), one geomean per rule, the fill rows marked in the table and kept out of the long-shape fractions
-    (here none: no matmul rate in the interpreter)."""
+    the launch), one geomean per rule, the fill rows marked in the table and timing the kernel only; fill alone,
+    or beside the sm_90 kernel, is a usage error."""
     from relaygr_engine.bench import kernels as bench
     from relaygr_engine.kernels import _split
 
@@ -95,10 +95,15 @@ def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(path.read_text())["rows"]
     assert [(r["split_rule"], r["splits"]) for r in rows] == [("auto", 1), ("fill", 2)]
+    # (the fill row times its kernel only: the baselines are the shape's auto row's)
+    assert "speedup_vs_gathered" in rows[0] and "speedup_vs_gathered" not in rows[1] and "recompute_ms" not in rows[1]
     assert asked == [(4, 303)]  # a history tile and a candidate tile x 2 heads; 300 + 3 keys
     assert all(r["max_abs_err"] <= ATOL for r in rows)
     assert "geomean_ms_split_auto=" in out[-1] and "geomean_ms_split_fill=" in out[-1]
     assert sum(" 2f " in line for line in out) == 1
+    with pytest.raises(SystemExit):
+        bench.main(["--splits", "fill"])
+    assert "--splits fill is timed beside the launcher's rule: give auto too" in capsys.readouterr().err
     monkeypatch.setattr(bench, "_prepare_device", lambda name: (torch.device("cuda"), ""))
     with pytest.raises(SystemExit):  # (the sm_90 kernel's count is its own: no former rule to time)
         bench.main(["--splits", "auto,fill", "--hopper-kernel", "no,yes"])

@@ -181,7 +181,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
     rule; ``"fill"``: the rule it replaced, :func:`~relaygr_engine.kernels._split.fill_splits`); the row's
     ``splits`` is the number used, ``split_rule`` which rule chose it (``auto``, ``fill`` or ``given``),
-    ``split_keys`` the keys each takes. ``value_splits``: programs
+    ``split_keys`` the keys each takes; a ``fill`` row times the kernel alone (and the matmul rate): its
+    baselines are the same shape's ``auto`` row's. ``value_splits``: programs
     per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
@@ -227,14 +228,6 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     err = float((out.float() - base.float()).abs().max())
 
     chosen = autotuned_choices()
-    t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
-    both = page_reads == "auto" and tma_device(device)
-    both = both and (value_splits or 1) == 1  # (a value split reads through pointers)
-    t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
-    t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
-    reset_autotuning()
-    t_full = _time(lambda: run(rargs, rkw, rplan, s=None), device, warmup, iters)  # no prefix: the launcher's rule
-    t_plan = _time(lambda: plan_of(args), device, warmup, iters, graph=False)  # host work: reads the device
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
@@ -243,12 +236,22 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                value_splits=value_splits, concurrent=concurrent, hopper_kernel=hopper_kernel,
                **({"hopper_overlap": hopper_overlap} if hopper_kernel else {}),
                split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
-               time_ms=t_paged * 1e3,
-               tflops=flops / t_paged / 1e12,
-               gbps=nbytes / t_paged / 1e9, contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
+               time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12, gbps=nbytes / t_paged / 1e9, max_abs_err=err,
+               autotuned=chosen)
+    if rule == "fill":  # a comparison row: its kernel's time and error (and matmul rate); the baselines are auto's
+        return _beside_matmul(row, flops, device, warmup, iters, None)
+    t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
+    both = page_reads == "auto" and tma_device(device)
+    both = both and (value_splits or 1) == 1  # (a value split reads through pointers)
+    t_ptr = _time(lambda: run(args, kw, plan, "pointers"), device, warmup, iters) if both else None
+    t_base = _time(lambda: _dense_baseline(gq, gk, gv, mask, rab, kw), device, warmup, iters)
+    reset_autotuning()
+    t_full = _time(lambda: run(rargs, rkw, rplan, s=None), device, warmup, iters)  # no prefix: the launcher's rule
+    t_plan = _time(lambda: plan_of(args), device, warmup, iters, graph=False)  # host work: reads the device
+    row.update(contig_ms=t_contig * 1e3, paged_overhead=t_paged / t_contig - 1,
                gathered_ms=t_base * 1e3, speedup_vs_gathered=t_base / t_paged, recompute_ms=t_full * 1e3,
-               speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3, max_abs_err=err,
-               gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense", autotuned=chosen)
+               speedup_vs_recompute=t_full / t_paged, plan_ms=t_plan * 1e3,
+               gathered_baseline="sdpa" if shape.mode == "softmax" else "torch dense")
     if t_ptr is not None:
         row.update(pointers_ms=t_ptr * 1e3, tma_gain=t_ptr / t_paged)
     if kv_dtype != "model":
@@ -257,12 +260,19 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
         t8 = _time(lambda: prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype),
                    device, warmup, iters)
         row.update(kv8_ms=t8 * 1e3, kv8_speedup=t_paged / t8, kv8_err=float((out8.float() - out.float()).abs().max()))
+    return _beside_matmul(row, flops, device, warmup, iters, lambda: _flashinfer_time(shape, args, kw, warmup, iters))
+
+
+def _beside_matmul(row: dict, flops: float, device: torch.device, warmup: int, iters: int,
+                   flashinfer: Optional[Callable]) -> dict:
+    """``row`` with, on CUDA, the bf16 matmul rate of its FLOPs measured now (``matmul_fraction``) and FlashInfer's
+    time (``flashinfer()``: ``(seconds or None, note)``; None: not timed for this row)."""
     if device.type == "cuda":
         mm = _matmul_tflops(flops, device, torch.bfloat16, warmup, iters)
         row.update(matmul_tflops=mm, matmul_fraction=row["tflops"] / mm)
-        t_fi, note = _flashinfer_time(shape, args, kw, warmup, iters)
+        t_fi, note = flashinfer() if flashinfer is not None else (None, "not timed")
         row.update(flashinfer_ms=None if t_fi is None else t_fi * 1e3, flashinfer_note=note,
-                   speedup_vs_flashinfer=None if t_fi is None else t_fi / t_paged)
+                   speedup_vs_flashinfer=None if t_fi is None else t_fi * 1e3 / row["time_ms"])
     return row
 
 
@@ -377,6 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
     overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False, "yes": True})
+    if "fill" in splits and None not in splits:
+        ap.error("--splits fill is timed beside the launcher's rule: give auto too (e.g. --splits auto,fill)")
     if "fill" in splits and True in hoppers:
         ap.error("--splits fill is the portable kernel's former split rule: not with --hopper-kernel yes (the sm_90 "
                  "kernel has its own)")

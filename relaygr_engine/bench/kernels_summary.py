@@ -48,13 +48,19 @@ def row_line(r: dict) -> str:
             f"{_hopper_cell(r):>2} "
             f"{r['time_ms']:>8.3f} "
             f"{r['tflops']:>8.3g} {r['gbps']:>8.4g} "
-            f"{r['speedup_vs_gathered']:>7.2f}x {r['speedup_vs_recompute']:>8.2f}x "
-            f"{100 * r['paged_overhead']:>8.1f}% {r['plan_ms']:>8.3f} {r['max_abs_err']:>8.1e}")
+            f"{_cell(r, 'speedup_vs_gathered', '.2f', 'x'):>8} {_cell(r, 'speedup_vs_recompute', '.2f', 'x'):>9} "
+            f"{_cell(r, 'paged_overhead', '.1%'):>9} {_cell(r, 'plan_ms', '.3f'):>8} {r['max_abs_err']:>8.1e}")
     if "matmul_fraction" in r:
         fi = r["speedup_vs_flashinfer"]
         line += (f" {100 * r['matmul_fraction']:>7.1f}% "
                  f"{(_fmt(fi) + 'x') if fi is not None else r['flashinfer_note'][:13]:>13}")
     return line
+
+
+def _cell(r: dict, key: str, spec: str, unit: str = "") -> str:
+    """A baseline's cell of the table: ``-`` where the row has none (a ``--splits fill`` row: its shape's auto row
+    has them)."""
+    return "-" if r.get(key) is None else format(r[key], spec) + unit
 
 
 _LOOPS = {None: "auto", False: "no", True: "yes"}  # --hopper-overlap's values, by the rows' hopper_overlap
