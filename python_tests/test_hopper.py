@@ -82,7 +82,8 @@ def test_splits_fill_whole_waves_of_the_programs_an_sm_holds(monkeypatch):
     """The Hopper launches' split count: at NVIDIA's ranking shape (2 candidate tiles and 1 history tile of 128
     rows, 4 heads, head dim 256: 24 programs a split; 132 SMs holding 2 each) 11 splits, one full wave (the
     portable kernel's former rule's 16 make 384 programs: two waves); no split where one already fills the SMs
-    and keys are few; at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as its own choice."""
+    and keys are few; at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as
+    its own choice."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from relaygr_engine.kernels import _common, _split
 

@@ -197,8 +197,6 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                                           schedule)
 
     args, kw = problem(shape, device, dtype, contiguous=False)
-    cargs, _ = problem(shape, device, dtype, contiguous=True)
-    rargs, rkw = _recompute_problem(shape, device, dtype)
     gq, gk, gv, mask, rab = _gathered(args, kw, shape)
 
     # Each problem is planned once, outside the timed calls, as a forward plans once for all its layers (and as
@@ -206,7 +204,7 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     meta = ("cu_seqlens_q", "num_candidates", "kv_indptr", "kv_indices", "kv_last_page_len")
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
-    plan, cplan, rplan = plan_of(args), plan_of(cargs), plan_of(rargs)
+    plan = plan_of(args)
     rule = "auto" if splits is None else "fill" if splits == "fill" else "given"
     if rule == "fill":  # (the former rule's count for this plan, trimmed as a chosen count is, given as a count)
         work = plan.num_tiles * shape.heads * (value_splits or 1)
@@ -240,6 +238,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                autotuned=chosen)
     if rule == "fill":  # a comparison row: its kernel's time and error (and matmul rate); the baselines are auto's
         return _beside_matmul(row, flops, device, warmup, iters, None)
+    (cargs, _), (rargs, rkw) = problem(shape, device, dtype, contiguous=True), _recompute_problem(shape, device, dtype)
+    cplan, rplan = plan_of(cargs), plan_of(rargs)
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
     both = page_reads == "auto" and tma_device(device)
     both = both and (value_splits or 1) == 1  # (a value split reads through pointers)

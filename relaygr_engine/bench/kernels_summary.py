@@ -60,7 +60,8 @@ def row_line(r: dict) -> str:
 def _cell(r: dict, key: str, spec: str, unit: str = "") -> str:
     """A baseline's cell of the table: ``-`` where the row has none (a ``--splits fill`` row: its shape's auto row
     has them)."""
-    return "-" if r.get(key) is None else format(r[key], spec) + unit
+    value = r.get(key)
+    return _fmt(value, spec) + (unit if value is not None else "")
 
 
 _LOOPS = {None: "auto", False: "no", True: "yes"}  # --hopper-overlap's values, by the rows' hopper_overlap

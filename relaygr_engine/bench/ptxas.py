@@ -243,13 +243,9 @@ def build_all(grid: list[Config], workers: Optional[int] = None, **kw) -> Iterat
     from relaygr_engine.kernels._compile import compile_workers
 
     workers = compile_workers() if workers is None else workers
-    with warnings.catch_warnings():  # (the filters are the process's: set once here, not per thread)
-        warnings.simplefilter("ignore")
-        if workers < 2:
-            yield from (build(cfg, **kw) for cfg in grid)
-            return
-        with ThreadPoolExecutor(workers) as pool:
-            yield from pool.map(lambda cfg: build(cfg, **kw), grid)
+    with warnings.catch_warnings(), ThreadPoolExecutor(max(1, workers)) as pool:  # (0 or 1: one thread, serially)
+        warnings.simplefilter("ignore")  # (the filters are the process's: set once here, not per thread)
+        yield from pool.map(lambda cfg: build(cfg, **kw), grid)
 
 
 def default_grid(head_dims, modes=MODES, dtype="bf16", page_size=64, kv_dtype="model", tma=True,
