@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 
 import pytest
@@ -91,6 +92,46 @@ def test_rank_uncached_equals_rank_full(attention, timestamps, context, monkeypa
     torch.testing.assert_close(model.rank_uncached(hist, cands, request_time=t_req), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="candidates must hold at least one"):
         model.rank_uncached(hist, cands[:0])
+
+
+def test_rank_uncached_picks_its_backend_as_the_engine_does(monkeypatch):
+    """``backend="auto"`` (the default, as ``CacheConfig.attention_backend``'s) resolves on the model's device: the
+    torch reference on the CPU, the Triton kernels on CUDA; an explicit choice is kept; a bad one is named."""
+    import relaygr_engine.models.ranker as ranker
+
+    asked = []
+    plan = ranker.plan_paged_attention
+    monkeypatch.setattr(ranker, "plan_paged_attention", lambda *a, backend, **k: asked.append(backend) or plan(
+        *a, backend=backend, **k))
+    model = rg.build_ranker(small_config(), seed=1)
+    hist, cands = random_history(9, seed=2), torch.arange(3)
+    model.rank_uncached(hist, cands)
+    model.rank_uncached(hist, cands, backend="torch")
+    assert asked == [rg.AttentionBackend.TORCH] * 2
+    assert inspect.signature(model.rank_uncached).parameters["backend"].default == "auto"
+    with pytest.raises(ValueError, match="backend"):
+        model.rank_uncached(hist, cands, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_rank_uncached_runs_the_triton_kernels_on_cuda(monkeypatch):
+    """On CUDA the no-cache baseline's default runs the engine's Triton kernels, not the torch reference."""
+    pytest.importorskip("triton")
+    import relaygr_engine.models.ranker as ranker
+
+    asked = []
+    plan = ranker.plan_paged_attention
+    monkeypatch.setattr(ranker, "plan_paged_attention", lambda *a, backend, **k: asked.append(backend) or plan(
+        *a, backend=backend, **k))
+    model = rg.build_ranker(small_config(), seed=1, device="cuda")
+    hist = random_history(9, seed=2)
+    hist = rg.Behaviors(*(None if t is None else t.cuda() for t in (hist.item_ids, hist.action_ids,
+                                                                     hist.timestamps)))
+    want = model.rank_full(hist, torch.arange(3, device="cuda"))
+    torch.testing.assert_close(model.rank_uncached(hist, torch.arange(3, device="cuda")), want, atol=1e-4,
+                               rtol=1e-4)
+    assert asked == [rg.AttentionBackend.TRITON]
 
 
 @pytest.mark.parametrize("attention", KINDS)

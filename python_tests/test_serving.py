@@ -244,3 +244,26 @@ def test_relay_service_on_the_real_engine_chunks_caches_and_counts_trigger_decis
     assert set(res.sources) == {"recompute"} and res.engine_stats["trigger_inflight_prefill_tokens"] == 0
     base = simulate(BaselineService(model), w, 1.0)
     assert base.sources == ["full"] * len(w)
+
+
+def test_the_latency_model_is_calibrated_on_the_baselines_own_ranking():
+    """The trigger's latency model times full inference as the baseline's workers serve it (same service, same
+    options: implementation, CUDA graphs, compilation), at every length up to the longest searched."""
+    pytest.importorskip("torch")
+    import argparse
+
+    from relaygr_engine.bench import slo_workers
+    from relaygr_engine.bench.slo_run import calibrate_latency
+
+    _, model = _small_log_and_ranker(num_users=2, per_user=10, num_requests=2)
+    a = argparse.Namespace(device="cpu", baseline="paged", cuda_graphs=False, compile=False, page_size=8)
+    service = slo_workers.baseline(model, a)
+    assert (service.impl.value, service.cuda_graphs, service.compile_model, service.page_size) == ("paged", False,
+                                                                                                   False, 8)
+    served = []
+    score = service.score
+    service.score = lambda h, c, request_time=None: served.append((len(h), len(c))) or score(h, c, request_time)
+    lat = calibrate_latency(service, 5, 64, "cpu", repeats=1)
+    lengths = sorted({L for L, _ in served})
+    assert lengths[0] == 32 and lengths[-1] == 64 and {C for _, C in served} == {5}
+    assert lat.meta["baseline"] == "paged" and lat.meta["cuda_graphs"] is False and lat.meta["compiled"] is False

@@ -20,7 +20,7 @@ from . import report as rpt
 from . import slo_setup, slo_workers
 from .slo_points import PointLog
 from .common import exceed_count
-from .serving import BaselineImpl, cpu_timer_valid, service_clock, simulate
+from .serving import cpu_timer_valid, service_clock, simulate
 from .slo_output import (METHOD, Console, _fmt_load, _headline, _notes, _prefill_line, _ratio, _verdict,
                          _wants_progress)
 from .workload import build_workload
@@ -43,34 +43,36 @@ def load_log(args) -> tuple[InteractionLog, str]:
                  f"{prof['num_users']} users; {len(log)} events drawn)")
 
 
-def calibrate_latency(model, num_candidates: int, max_len: int, device: str, repeats: int = 3,
-                      impl: str = "paged", timer=time.perf_counter):
-    """Fit the trigger's latency model on the baseline's full inference of this model (a few seconds).
+def calibrate_latency(baseline, num_candidates: int, max_len: int, device: str, repeats: int = 3,
+                      timer=time.perf_counter):
+    """Fit the trigger's latency model on the baseline's full inference of this model (seconds to a few minutes).
 
-    ``impl`` is the baseline's implementation (:class:`~relaygr_engine.bench.serving.BaselineImpl`), so the
-    trigger predicts what a ranking without a cache would cost here; ``timer`` is the benchmark's service-time clock.
+    ``baseline`` is a :class:`~relaygr_engine.bench.serving.BaselineService` built as the baseline's workers are
+    (implementation, CUDA graphs, compilation): the trigger predicts what a ranking without a cache costs as the
+    baseline serves it. ``timer`` is the benchmark's service-time clock.
     """
     import torch
 
     from ..models import Behaviors
     from ..policy import calibrate
 
-    cfg = model.config
+    cfg = baseline.model.config
     g = torch.Generator().manual_seed(0)
-    rank = model.rank_uncached if BaselineImpl(impl) is BaselineImpl.PAGED else model.rank_full
 
     def fn(L: int, C: int) -> None:
         L = max(L, 1)
         h = Behaviors(torch.randint(0, cfg.num_items, (L,), generator=g).to(device),
                       torch.randint(0, cfg.num_actions, (L,), generator=g).to(device),
                       torch.arange(L, dtype=torch.long).to(device) * 60)
-        rank(h, torch.randint(0, cfg.num_items, (C,), generator=g).to(device))
+        baseline.score(h, torch.randint(0, cfg.num_items, (C,), generator=g).to(device))
 
     grid = (32, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
     grid += tuple(4096 << k for k in range(1, max(0, (max_len - 1) // 4096).bit_length() + 1))  # production lengths
     lengths = sorted({min(max_len, x) for x in grid})
+    meta = {"model": "benchmark model", "candidates": num_candidates, "baseline": baseline.impl.value,
+            "cuda_graphs": baseline.cuda_graphs, "compiled": baseline.compile_model}
     return calibrate(fn, lengths, [num_candidates], repeats, warmup=1, quantile=0.75, timer=timer, device=device,
-                     meta={"model": "benchmark model", "candidates": num_candidates, "baseline": impl})
+                     meta=meta)
 
 
 def _cpu_timer_ok(args) -> bool:
@@ -232,8 +234,8 @@ def run(args, log: InteractionLog, source: str) -> dict:
         lat = LatencyModel.from_dict(points.latency)
         out.say(f"resuming {points.path}: {len(points)} points measured before, the calibration kept")
     else:
-        lat = calibrate_latency(model, args.candidates, max(args.max_history, args.max_len_hi), args.device,
-                                repeats=5, impl=args.baseline, timer=timer)
+        lat = calibrate_latency(slo_workers.baseline(model, args), args.candidates,
+                                max(args.max_history, args.max_len_hi), args.device, repeats=5, timer=timer)
         points.start(lat.to_dict())
     base_max = lat.max_history_len(args.slo_ms, args.candidates)
     out.say(f"service times: {timer_name}; baseline full inference: {args.baseline} "

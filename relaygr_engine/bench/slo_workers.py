@@ -21,7 +21,7 @@ from ..policy.ratio import ServiceRates, split
 from .serving import (BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role, TriggerHook,
                       Worker, disaggregated_workers)
 
-__all__ = ["add_arguments", "check", "modes", "build", "batch_policy", "crossover", "crossover_markdown",
+__all__ = ["add_arguments", "check", "modes", "baseline", "build", "batch_policy", "crossover", "crossover_markdown",
            "plot_crossover"]
 
 _DISAGG = re.compile(r"^disagg_p(\d+)$")
@@ -96,13 +96,19 @@ def _relay(bench, dram_mb: float, trigger: bool, chunk_tokens: int, store_misses
     return RelayService(engine, hook, chunk_tokens=chunk_tokens, device=a.device)
 
 
+def baseline(model, a) -> BaselineService:
+    """One baseline worker's service for the options ``a``: full inference as ``--baseline`` says, graphed and
+    compiled as the relay is (``--cuda-graphs``, ``--compile``). Its latency is what the trigger is calibrated on."""
+    return BaselineService(model, a.device, impl=a.baseline, cuda_graphs=a.cuda_graphs, compile_model=a.compile,
+                           page_size=a.page_size)
+
+
 def build(bench, mode: str, trigger: bool = True) -> list[Worker]:
     """Fresh workers of one mode (see the module doc)."""
     a, K = bench.args, bench.args.workers
     store = not a.no_store_misses
     if mode == Mode.BASELINE.value:
-        return [Worker(BaselineService(bench.model, a.device, impl=a.baseline, cuda_graphs=a.cuda_graphs,
-                                       compile_model=a.compile, page_size=a.page_size)) for _ in range(K)]
+        return [Worker(baseline(bench.model, a)) for _ in range(K)]
     P = disagg_p(mode)
     if P is None:
         dram = a.dram_mb if mode == Mode.RELAY.value else 0.0

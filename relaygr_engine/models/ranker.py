@@ -10,9 +10,9 @@ from torch import nn
 from ..batch import RelayBatch, check_request, request_time_of
 from ..behaviors import Behaviors
 from ..context import batch_context, find_layers, paged_context, PagedState
-from ..config import AttentionBackend, parse_choice
+from ..config import AttentionBackend
 from ..identity import WeightsIdentity
-from ..ops import plan_paged_attention
+from ..ops import _resolve_backend, plan_paged_attention
 from ..torch_plan import build_torch_plan
 from .config import GRModelConfig
 from .layers import make_layer
@@ -228,13 +228,22 @@ class GRRanker(nn.Module):
 
     @torch.inference_mode()
     def rank_uncached(self, history: Behaviors, candidates: torch.Tensor, request_time: Optional[int] = None,
-                      backend: str = "torch") -> torch.Tensor:
+                      backend: str = "auto") -> torch.Tensor:
         """Score candidates with no cache through the paged attention op (an empty prefix): full inference.
 
         Computes every history token and candidate like :meth:`rank_full` (equal scores up to fp32 rounding), but
         with the varlen kernels the cached path uses (causal blocks, no masked-out ``N x N`` work, no dense bias
         tables), so it is the efficient no-cache baseline: compared with a cached ranking, the only difference
         is the cache.
+
+        Parameters
+        ----------
+        history, candidates, request_time
+            As in :meth:`rank_full`.
+        backend : {"auto", "torch", "triton"}
+            The attention op's backend, picked as the engine picks it (``CacheConfig.attention_backend``):
+            ``"auto"`` (default) runs the Triton kernels on CUDA and NPU where Triton imports, else the torch
+            reference.
 
         Returns
         -------
@@ -247,7 +256,7 @@ class GRRanker(nn.Module):
         empty = torch.empty((0, 2, 1, cfg.num_heads, max(cfg.head_dim, cfg.value_dim)), dtype=self.dtype, device=dev)
         i32 = (lambda *v: torch.tensor(v, dtype=torch.int32, device=dev))
         indptr, indices, last = i32(0, 0), i32(), i32(0)
-        be = parse_choice(AttentionBackend, backend, "backend")
+        be = _resolve_backend(backend, dev)
         plan = plan_paged_attention(empty, indptr, indices, last, batch.cu_seqlens, batch.num_candidates, backend=be)
         paged = PagedState([empty] * len(layers), indptr, indices, last, None, be, plan=plan)
         if be is AttentionBackend.TORCH:  # the cached path's per-batch plan, for the same fixed cost per layer

@@ -141,13 +141,19 @@ class BaselineService:
         self._t.prepare(requests)
 
     def rank(self, req: Request, now: float) -> RankOutcome:
+        hist, cands = self._t.get(req)
+        self.score(hist, cands, request_time=req.request_ts)
+        return RankOutcome("full", 0, req.history_len + int(cands.shape[0]))
+
+    def score(self, history, candidates, request_time: Optional[int] = None):
+        """Full inference of one request's tensors as :meth:`rank` serves it (same implementation, graphs and
+        compilation), finished on the device: ``[C, num_tasks]`` scores. The latency model is calibrated on it."""
         import torch
 
-        hist, cands = self._t.get(req)
         with torch.inference_mode():
-            scores = self._rank(hist, cands, request_time=req.request_ts)
+            scores = self._rank(history, candidates, request_time=request_time)
         _sync(scores)
-        return RankOutcome("full", 0, req.history_len + int(cands.shape[0]))
+        return scores
 
     def rank_batch(self, reqs: list[Request], now: float) -> list[RankOutcome]:
         """Full inference of ``reqs`` in one varlen forward: a cache-less engine's batch (every prefix computed).
