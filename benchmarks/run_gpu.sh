@@ -15,28 +15,20 @@
 # A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
 # files: one call, its timeout_s about 560, of
 #   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
-# with, in order of what is least known and most asked (as of 2026-11-27, after four sessions' runs:
-# benchmarks/results/gpu-h100-2026-11-26{,b}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
-# variants for the later ones, which find them in Triton's cache), two calls back to back (a warm machine is given
+# with, in order of what is least known and most asked (as of 2026-11-27, after five sessions' runs:
+# benchmarks/results/gpu-h100-2026-11-2{6,6b,7}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
+# variants for the later ones, which find them in Triton's cache), calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
-#   1. STEPS="kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule"  (DEADLINE_S=520: the split rule
-#      of 2026-11-27 beside the one it replaced, every shape, one run per head dim; each part a kernels-d* step
-#      (85-122 s on the H100) and the fill rows, which time the kernel alone (about 1.5x in all?), so d64 may be
-#      cut; `kernels-rule` joins the parts that finished (no GPU work: it can run here afterwards on the JSON))
-#   2. on the same warm machine, into the same OUT_DIR: STEPS="kernels-rule-d64 kernels-rule" if d64 was cut, then
-#      in the same call a second invocation with TRITON_PTXAS_PATH set to a CUDA 13 ptxas (below) and its own
-#      OUT_DIR: STEPS="env tests-kv8 rank" (DEADLINE_S on what is left: whether the kernel's 8-bit read, which
-#      faulted with int8 and fp8 pages under Triton 3.6's ptxas 12.8 on 2026-11-26, passes when a CUDA 13 ptxas
-#      assembles it; rank: NVIDIA's ranking shape under that ptxas and the new split count, against 1.43 ms on the
-#      H200 with 12.8 and the old count: two changes at once, a first look)
-#   3. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
-#   4+. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
-#      at this shape: its length is unknown; a seed cut short resumes in a later call from its points.jsonl, its
-#      folder copied back into OUT_DIR/slo-seeds first)
-#   then STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
+#   1. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
+#      at this shape: its length is unknown; its first try, 2026-11-27, spent its 200 s in the latency calibration,
+#      which then ran the torch reference and now times the baseline's graphed ranking; a seed cut short resumes in
+#      a later call from its points.jsonl, its folder copied back into OUT_DIR/slo-seeds first; the calibration
+#      itself must finish within one call)
+#   2. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
+#   3. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 # A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59;
-# public reports tie Hopper wgmma faults of our kind to ptxas before CUDA 13, not established for this kernel; the
-# report: benchmarks/results/gpu-h200-2026-11-26b/README.md): copy Triton 3.9's
+# public reports tie Hopper wgmma faults of our kind to ptxas before CUDA 13; tried on 2026-11-27: the kernel's
+# 8-bit read no longer faults with 13.4 but its results are wrong, benchmarks/results/gpu-h100-2026-11-27/): copy Triton 3.9's
 # `triton/backends/nvidia/bin/ptxas-blackwell` (52 MB) into an ignored folder of the checkout, e.g. `.carry/ptxas`
 # (`echo /.carry/ >> .git/info/exclude`), name `.carry` in the device call's carry, and prefix the command with
 # TRITON_PTXAS_PATH=$PWD/.carry/ptxas (Triton 3.6-3.8 read it for sm_90; 3.9 reads TRITON_PTXAS_BLACKWELL_PATH and
@@ -45,7 +37,9 @@
 # rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; in the second
 # run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper; in the third (H200)
 # tests-hopper-twin kernels-hopper-rank rank tests-gpu rank-hopper (tests-cuda and sanitize-kv8 cut); in the fourth
-# (H200) tests-cuda (all pass), tests-kv8 (int8 and fp8 fault), kernels-hopper.
+# (H200) tests-cuda (all pass), tests-kv8 (int8 and fp8 fault), kernels-hopper; in the fifth (H100, 2026-11-27)
+# kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule (the fewest-waves rule 1.16x the former), and
+# with TRITON_PTXAS_PATH at a CUDA 13 ptxas: tests-kv8 (no fault: wrong results), rank.
 # (ptxas: the static report, done on any machine with the wheel's ptxas.)
 # `kernels` (and `kernels-rule`) only join the parts' JSON that are there (no GPU work): run them afterwards on any
 # machine, with the parts' files in OUT.
