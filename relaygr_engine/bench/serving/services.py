@@ -132,8 +132,8 @@ class BaselineService:
         self.page_size = check_int("page_size", page_size, 1)
         self._rank = model.rank_uncached if self.impl is BaselineImpl.PAGED else model.rank_full
         if cuda_graphs or compile_model:  # through the cache-less engine, graphed / compiled like the relay's
-            self._rank = (lambda h, c, request_time: self._uncached().rank_with_prefix(0, h, c,
-                                                                                       request_time=request_time).scores)
+            self._rank = (lambda h, c, request_time:
+                          self._uncached().rank_with_prefix(0, h, c, request_time=request_time).scores)
         self._t = _Tensors(device)
         self._engine = None
 
