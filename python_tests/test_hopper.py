@@ -387,46 +387,6 @@ def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
     assert _skippable(code, 0x00, 0x70) == 2
 
 
-def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
-    """``bench kernels --hopper-kernel no,yes``: one geomean time per setting and the long shapes' matmul fraction
-    of each mode and setting in its own field (the portable kernel's as before)."""
-    from relaygr_engine.bench import kernels_summary as S
-
-    def row(hk, ms, frac, mode="hstu"):
-        return dict(shape="x", mode=mode, block_m=128, speedup_vs_gathered=1.0, speedup_vs_recompute=2.0,
-                    paged_overhead=0.0, max_abs_err=1e-3, time_ms=ms, prefix=4096, new=32, cands=256, users=4,
-                    matmul_fraction=frac, hopper_kernel=hk, tflops=100.0, gbps=1.0, plan_ms=0.1,
-                    speedup_vs_flashinfer=None, flashinfer_note="-")
-
-    summary = S.summarize([row(False, 2.0, 0.25), row(True, 1.0, 0.5)], device="cuda", dtype="bfloat16")
-    assert summary["geomean_ms_hopper_no"] == 2.0 and summary["geomean_ms_hopper_yes"] == 1.0
-    assert summary["matmul_fraction_long_hstu"] == 0.25 and summary["matmul_fraction_long_hstu_hopper"] == 0.5
-    assert "hk" in S.header(True) and S.row_line(row(True, 1.0, 0.5)).split()[7] == "y"
-    plain = S.summarize([row(False, 2.0, 0.25)], device="cuda", dtype="bfloat16")
-    assert "geomean_ms_hopper_no" not in plain and "matmul_fraction_long_hstu_hopper" not in plain
-    both = S.summarize([row(False, 2.0, 0.25), row(True, 1.0, 0.5), row(False, 4.0, 0.2, "softmax"),
-                        row(True, 1.0, 0.8, "softmax")], device="cuda", dtype="bfloat16")
-    assert (both["matmul_fraction_long_softmax"], both["matmul_fraction_long_softmax_hopper"]) == (0.2, 0.8)
-    assert (both["matmul_fraction_long_hstu"], both["matmul_fraction_long_hstu_hopper"]) == (0.25, 0.5)
-    # --hopper-overlap auto,no,yes: the sm_90 kernel's HSTU loop forced sequential / overlapped in rows of their own
-    # (hk column "s" / "o"), kept out of hopper_yes and the _hopper fraction, in geomean_ms_hopper_overlap_{auto,no,
-    # yes} and the _hopper_seq / _hopper_overlap fractions
-    seq, ovl = dict(row(True, 3.0, 0.4), hopper_overlap=False), dict(row(True, 4.0, 0.3), hopper_overlap=True)
-    ab = S.summarize([row(False, 2.0, 0.25), dict(row(True, 1.0, 0.5), hopper_overlap=None), seq, ovl],
-                     device="cuda", dtype="bfloat16")
-    assert (ab["geomean_ms_hopper_no"], ab["geomean_ms_hopper_yes"]) == (2.0, 1.0)
-    assert [ab[f"geomean_ms_hopper_overlap_{k}"] for k in ("auto", "no", "yes")] == pytest.approx([1.0, 3.0, 4.0])
-    assert [ab[f"matmul_fraction_long_hstu_hopper{k}"] for k in ("", "_seq", "_overlap")] == pytest.approx(
-        [0.5, 0.4, 0.3])
-    assert [S.row_line(r).split()[7] for r in (seq, ovl)] == ["s", "o"]
-    assert "geomean_ms_hopper_overlap_no" not in summary
-    from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
-
-    key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)
-    assert describe(dict(key, SKIP_FULL=32)) == "hstu cand split rest-of-32 D=256 BM=128 reads=either"
-    assert "rest-of" not in describe(dict(key, SKIP_FULL=0))
-
-
 # ---------------------------------------------------------------------------------------------- on a GPU
 # (the kernel against its twin first: the quickest to say which part is wrong)
 @gpu
