@@ -40,7 +40,8 @@ def kernel_runs(device: torch.device) -> bool:
     on fp8 pages stopped with an illegal memory access while the autotuner timed it, a fault the bounds-checked
     interpreter does not reproduce on int8 pages (compute-sanitizer: an out-of-range shared-memory address at the
     P.V ``wgmma`` of an HSTU candidate tile, ``benchmarks/results/gpu-h100-2026-11-26b``), and on an H200 int8
-    pages did too (``gpu-h200-2026-11-26b``, which names a lead: Triton 3.6's ptxas 12.8). Until a GPU run passes,
+    pages did too (``gpu-h200-2026-11-26b``); assembled by a CUDA 13 ptxas instead of Triton 3.6's 12.8 it no longer
+    faults but is wrong (``gpu-h100-2026-11-27``: 2.6% of the values off by up to 0.36). Until a GPU run passes,
     8-bit pages on CUDA attend through the torch path (:func:`relaygr_engine.ops.paged_prefix_attention` says so
     once); the Triton KV write, which passed there,
     still quantises them."""
