@@ -108,19 +108,18 @@ class CMakeBuild(build_ext):
         os.replace(tmp, target)  # the exact path setuptools expects; never rewrites a module a process has mapped
 
 
-# Every subpackage of relaygr_engine (found, so a new one cannot be left out of wheels while editable installs,
-# which read the source tree, still work), plus the top-level kernels/ installed as relaygr_engine.kernels.
-PACKAGES = sorted(set(find_packages(include=["relaygr_engine", "relaygr_engine.*"])) | {"relaygr_engine.kernels"})
-assert {"relaygr_engine", "relaygr_engine.models", "relaygr_engine.policy", "relaygr_engine.serving",
-        "relaygr_engine.bench", "relaygr_engine.kernels", "relaygr_engine.data",
-        "relaygr_engine.workload_data"} <= set(PACKAGES), PACKAGES
+# Every subpackage of relaygr_engine, found, so a new one cannot be left out of wheels while editable installs, which
+# read the source tree, still work.
+PACKAGES = find_packages(include=["relaygr_engine", "relaygr_engine.*"])
+assert {"relaygr_engine", "relaygr_engine.attention", "relaygr_engine.kernels", "relaygr_engine.models",
+        "relaygr_engine.policy", "relaygr_engine.serving", "relaygr_engine.bench", "relaygr_engine.bench.sim",
+        "relaygr_engine.workload", "relaygr_engine.workload.data", "relaygr_engine.data"} <= set(PACKAGES), PACKAGES
 
 setup(
     packages=PACKAGES,
-    package_dir={"relaygr_engine.kernels": "kernels"},
     # Data read with importlib.resources, and the PEP 561 marker of the type hints.
     package_data={"relaygr_engine": ["py.typed"], "relaygr_engine.data": ["*.json"],
-                  "relaygr_engine.workload_data": ["*.json", "*.md"]},
+                  "relaygr_engine.workload.data": ["*.json", "*.md"]},
     ext_modules=[CMakeExtension("relaygr_engine._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -133,7 +133,7 @@ for d in 64 128 256; do
 done
 step kernels 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \"${OUT_DIR}\"/kernels-d*.json \
     --json \"${OUT_DIR}/kernels.json\""
-# The split count's rule (kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
+# The split count's rule (relaygr_engine/kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
 # replaced (fill: about two programs per SM, none once the tiles make a wave), every shape under both in one run, by
 # head dim as above (the fill rows time the kernel alone, beside the matmul rate; their baselines are the auto
 # rows'): matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
@@ -163,7 +163,7 @@ step kernels-vsplits 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256
     --json "${OUT_DIR}/kernels-vsplits.json"
 step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hstu \
     --shape B=1,P=3968,n=128,C=256,H=4,D=256 --value-splits 1,2 --block-m 128,64 --json "${OUT_DIR}/kernels-vsplits-rank.json"
-# The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (kernels/_hopper.py, Gluon;
+# The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (relaygr_engine/kernels/_hopper.py, Gluon;
 # opt-in; first run 2026-11-26: right, not faster; its HSTU loop overlapped in FlashAttention-3's order on request
 # (right on an H200, 14% slower than the sequential default), `--hopper-overlap auto,yes` timing the two in one run): first whether it is right (its CUDA tests: against its torch twin, then the
 # reference within bf16 tolerance, eagerly and in a graph), then beside the portable kernel in one run: the long
@@ -182,7 +182,7 @@ step kernels-hopper-rank 240 $PY -m relaygr_engine.cli bench kernels --modes hst
 step rank-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY -m relaygr_engine.cli bench rank --device cuda \
     --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs \
     --json "${OUT_DIR}/rank-hopper.json"
-step ptxas 900 $PY -m relaygr_engine.cli bench ptxas --defaults --json "${OUT_DIR}/ptxas.json"
+step ptxas 900 $PY -m benchmarks.tools.ptxas --defaults --json "${OUT_DIR}/ptxas.json"
 # The 8-bit cache: the same shapes' pages in fp8 and int8 beside bf16 (kv8_speedup, kv8_err).
 # (The kernel's 8-bit read is off on CUDA until it passes there, relaygr_engine.quant.kernel_runs: these switch it on.
 # On 2026-11-26 its fp8 pages stopped with an illegal memory access; sanitize-kv8 says where.)
@@ -205,25 +205,25 @@ step sanitize-kv8 300 bash -c "command -v compute-sanitizer >/dev/null || { echo
     exit 0; }; rc=0; for kd in int8 fp8_e4m3; do echo \"== \$kd\"; RELAYGR_KV8_KERNEL=1 RELAYGR_COMPILE_WORKERS=0 \
     TRITON_PRINT_AUTOTUNING=1 compute-sanitizer --tool memcheck --print-limit 12 $PY -m pytest -q -s -rs -m gpu \
     python_tests/test_kvquant.py -k \"cuda_8bit and \$kd\" -p no:cacheprovider || rc=1; done; exit \$rc"
-step sync 120 $PY benchmarks/sync_audit.py
+step sync 120 $PY benchmarks/tools/sync_audit.py
 # (RELAYGR_AUTOTUNE_FILE: the configs the autotuner keeps at this shape saved as a file of choices, which a serving
-# process on this GPU and Triton can load instead of tuning: kernels/_autotune_store.py. This step only: the other
+# process on this GPU and Triton can load instead of tuning: relaygr_engine/kernels/_autotune_store.py. This step only: the other
 # steps tune as before.)
 step rank 300 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/autotune-rank.json" $PY -m relaygr_engine.cli bench rank \
     --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 \
     --cuda-graphs --json "${OUT_DIR}/rank.json"
 # The engine's host work in a graphed cached ranking at the shape of rank, the replay stubbed (this machine's CPU; a
 # ranking's latency is this, then the graph launch and the GPU work), and where it goes (--phases).
-step host 180 $PY benchmarks/host_work.py --device cuda --phases
+step host 180 $PY benchmarks/tools/host_work.py --device cuda --phases
 # The same with the whole model compiled (torch.compile) on every path: fewer, fused kernels per graph.
 step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \
     --json "${OUT_DIR}/rank-compile.json"
-step profile 300 $PY benchmarks/profile_rank.py
-step profile-graphs 300 $PY benchmarks/profile_rank.py --cuda-graphs --interleave
+step profile 300 $PY benchmarks/tools/profile_rank.py
+step profile-graphs 300 $PY benchmarks/tools/profile_rank.py --cuda-graphs --interleave
 # The same ranking on the sm_90 kernel: on 2026-11-26 it made a graphed ranking 0.35 ms slower (1.65 vs 1.30 ms)
 # where one layer alone was 4 us slower (0.062 vs 0.058 ms): which of its kernels take the rest.
-step profile-graphs-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY benchmarks/profile_rank.py --cuda-graphs --interleave
+step profile-graphs-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY benchmarks/tools/profile_rank.py --cuda-graphs --interleave
 # What bounds the engine's kernels in that ranking: Nsight Compute's speed-of-light, compute, memory and occupancy
 # sections for each launch of the prefix kernel (16: history and candidate tiles of 8 layers), the bias table (8)
 # and the split merge's reduction (8), in one ranking after warm-up, with why warps wait (WarpStateStats: stall
@@ -234,14 +234,14 @@ step ncu 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step s
     ncu --profile-from-start off --kernel-name 'regex:prefix_attention|bias_table|reduce_kernel' \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section Occupancy --section WarpStateStats --section SchedulerStats \
-    $PY benchmarks/profile_rank.py --cuda-profiler-window"
+    $PY benchmarks/tools/profile_rank.py --cuda-profiler-window"
 # The same for a ranking on the sm_90 Hopper kernel (RELAYGR_HOPPER_KERNEL=1): its launches and the portable
 # kernel's SKIP_FULL share, what bounds them now.
 step ncu-hopper 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found: step skipped'; exit 0; }; \
     RELAYGR_HOPPER_KERNEL=1 ncu --profile-from-start off --kernel-name 'regex:hopper_kernel|prefix_attention' \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section Occupancy --section WarpStateStats --section SchedulerStats \
-    $PY benchmarks/profile_rank.py --cuda-profiler-window"
+    $PY benchmarks/tools/profile_rank.py --cuda-profiler-window"
 # The same sections for the long HSTU shape of bench kernels at head dim 256 (4 users x 16384 cached keys, 1056 rows
 # each): whether the kernel is bound by memory (K/V re-read by the candidate tiles of a user) or by issue; and
 # SourceCounters: the SASS lines where warps stall most (the key loop's waits on its copies, its MMAs, its barriers).
@@ -249,7 +249,7 @@ step ncu-kernel 300 bash -c "command -v ncu >/dev/null || { echo 'ncu not found:
     ncu --profile-from-start off --kernel-name regex:prefix_attention --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section SourceCounters \
-    $PY benchmarks/profile_kernel.py"
+    $PY benchmarks/tools/profile_kernel.py"
 step rank-small 300 $PY -m relaygr_engine.cli bench rank --device cuda --json "${OUT_DIR}/rank-small.json"
 # DRAM reload at NVIDIA's model size (8 layers, 4 x 256, bf16): 32 MiB of KV per 1024 tokens; a ranking's DRAM hit
 # copied serially vs layer-wise (layer l+1 on a side stream while layer l computes), each against the same

@@ -1,6 +1,6 @@
-"""The prefix kernel's autotune choices on disk (kernels/_autotune_store.py): saved and loaded per GPU, Triton and
-kernel source, only configs the pruning keeps, bad files refused by name, and RELAYGR_AUTOTUNE_FILE's load-then-
-rewrite. (No GPU: a stand-in fingerprint and stand-ins for the autotuner's tuning; the CUDA round trip is in
+"""The prefix kernel's autotune choices on disk (relaygr_engine/kernels/_autotune_store.py): saved and loaded per GPU,
+Triton and kernel source, only configs the pruning keeps, bad files refused by name, and RELAYGR_AUTOTUNE_FILE's
+load-then- rewrite. (No GPU: a stand-in fingerprint and stand-ins for the autotuner's tuning; the CUDA round trip is in
 test_kernels_cuda.py.)"""
 from __future__ import annotations
 

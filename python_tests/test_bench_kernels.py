@@ -245,7 +245,7 @@ def test_run_gpu_sh_kernel_steps_parse(tmp_path, monkeypatch):
 
 
 def test_profile_rank_counts_overlapping_kernels_once():
-    """benchmarks/profile_rank.py's GPU busy time is the union of the kernels' spans: two launches running at once
+    """benchmarks/tools/profile_rank.py's GPU busy time is the union of the kernels' spans: two launches running at once
     (the history and candidate tiles on two streams) count once, gaps not at all."""
     import importlib.util
     import pathlib

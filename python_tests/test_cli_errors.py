@@ -106,14 +106,23 @@ def test_a_usage_error_from_the_console_script_has_no_traceback():
 
 
 def test_every_listed_benchmark_has_a_command_line():
-    """``relaygr bench --help`` lists only modules it can run (helper modules such as ``sass`` or ``slo_setup``
-    have no ``main`` and are not benchmarks)."""
+    """``relaygr bench --help`` lists the registered benchmarks, each a module with a command line; helper modules
+    (``slo_setup``, ``report``, ...) and the kernel-developer tools (``ptxas``, ``sass``) are not among them."""
     import importlib
     names = cli._benchmarks()
-    assert {"kernels", "overhead", "ptxas", "rank", "slo", "tiers"} <= set(names)
-    assert not {"sass", "slo_setup", "slo_run", "common", "report", "workload", "demo"} & set(names)
+    assert {"kernels", "overhead", "rank", "slo", "tiers"} <= set(names)
+    assert not {"ptxas", "sass", "slo_setup", "slo_run", "common", "report", "workload", "demo"} & set(names)
     for name in names:
-        assert callable(importlib.import_module(f"relaygr_engine.bench.{name}").main), name
+        assert callable(importlib.import_module(cli.BENCHMARKS[name]).main), name
+
+
+def test_a_developer_tool_named_as_a_benchmark_says_where_it_runs(capsys):
+    """``relaygr bench ptxas``: a usage error naming the checkout's tool, not an unknown name."""
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["bench", "ptxas", "--defaults"])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m benchmarks.tools.ptxas" in err and "checkout" in err
 
 
 def test_help_texts(capsys):

@@ -286,7 +286,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_host_work_benchmark_replays_a_stand_in_graph(capsys):
-    """benchmarks/host_work.py times rankings served by graph replays (the first of its bucket eager), each with
+    """benchmarks/tools/host_work.py times rankings served by graph replays (the first of its bucket eager), each with
     its real host work, and prints one RESULT line."""
     import importlib.util
     import pathlib

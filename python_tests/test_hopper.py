@@ -1,4 +1,4 @@
-"""The sm_90 kernel (kernels/_hopper.py) and its place beside the portable one.
+"""The sm_90 kernel (relaygr_engine/kernels/_hopper.py) and its place beside the portable one.
 
 Without an sm_90 GPU: the split of a tile's keys between the two kernels (the portable kernel's
 ``SKIP_FULL`` share in the interpreter, the Hopper kernel's through its torch twin ``emulate``) adds up to the
@@ -226,9 +226,9 @@ def test_asked_where_it_cannot_run_it_refuses_or_steps_aside(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- offline compile
 def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
-    """Static, no GPU (``relaygr bench ptxas --hopper``, in its own process: the interpreter this one runs in would
-    capture the compile): each head dim's config compiles for sm_90 with no spill and no local access in its key
-    loop, for HSTU's candidate and history tiles and softmax's, its registers (8 warps a program) and shared memory
+    """Static, no GPU (``python -m benchmarks.tools.ptxas --hopper``, in its own process: the interpreter this one runs
+    in would capture the compile): each head dim's config compiles for sm_90 with no spill and no local access in its
+    key loop, for HSTU's candidate and history tiles and softmax's, its registers (8 warps a program) and shared memory
     fit three programs on an SM at head dim 64 and two at 128 and 256, its key loop issues wgmma and one special
     function per score (HSTU's tanh; softmax's exp2, and one a row for the max's correction), its K/V arrive
     through TMA, and both biases add under 15% to the instructions of either HSTU tile kind; with 16-token pages
@@ -241,7 +241,7 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "hopper.json"
-    proc = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--hopper", "--json",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tools.ptxas", "--hopper", "--json",
                            str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())["result"]
@@ -261,7 +261,7 @@ def test_compiles_for_sm90_spill_free_several_programs_per_sm(tmp_path):
         assert got[f"hopper_loop_usual_per_score_d{d}"] == got[f"hopper_loop_instr_per_score_d{d}"]
     # 16-token pages (the engine's default): a key block over several pages, a copy of K and of V per page
     small = tmp_path / "hopper16.json"
-    proc = subprocess.run([sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--hopper", "--page-size",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tools.ptxas", "--hopper", "--page-size",
                            "16", "--json", str(small)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     paged = json.loads(small.read_text())["result"]
@@ -287,7 +287,7 @@ def _static_rows(script: str) -> list:
 
 _LAUNCH_CHECK = """
 import itertools, json
-from relaygr_engine.bench.ptxas_hopper import compile_hopper, compile_launch
+from benchmarks.tools.ptxas_hopper import compile_hopper, compile_launch
 for d, page, kind in itertools.product((64, 128, 256), (64, 16), ("cand", "hist", "softmax")):
     hstu, cand = kind != "softmax", kind != "hist"
     kernel, grid = compile_launch(d, hstu=hstu, cand=cand, page_size=page, num_splits=3)
@@ -313,10 +313,10 @@ def test_a_launch_compiles_exactly_what_the_static_report_describes():
 _OVERLAP_CHECK = """
 import json, subprocess, tempfile, os
 from triton.backends.nvidia.compiler import get_ptxas
-from relaygr_engine.bench.ptxas_hopper import compile_hopper
-from relaygr_engine.bench.sass import disassemble, _loops
+from benchmarks.tools.ptxas_hopper import compile_hopper
+from benchmarks.tools.sass import disassemble, _loops
 from relaygr_engine.kernels import _hopper_launch as HL
-from relaygr_engine.bench.ptxas_hopper import compile_launch
+from benchmarks.tools.ptxas_hopper import compile_launch
 for d, setting, asked in ((64, None, True), (128, True, True), (256, True, True), (256, None, None)):
     kernel = compile_hopper(d, hstu=True, cand=True, page_size=64, overlap=setting)
     with HL.overlap(asked):  # a launch within the switch compiles that loop (at head dim 64 the sequential one)
@@ -372,7 +372,7 @@ def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_where_asked_fr
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():
     """``sass._skippable``: instructions a predicated forward branch jumps over inside the loop body; not an
     unconditional one, nor one leaving the loop (a barrier wait's retry placed after it)."""
-    from relaygr_engine.bench.sass import _loops, _skippable
+    from benchmarks.tools.sass import _loops, _skippable
 
     code = [(0x00, "MOV R0, R1 ;", ".L_x_0", False),
             (0x10, "BRA `(.L_x_9) ;", "", True),         # leaves the loop: skips nothing in it

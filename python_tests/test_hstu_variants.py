@@ -364,7 +364,7 @@ def test_defaults_keep_the_layer_as_before():
 
 
 def test_time_buckets_equal_the_published_float32_formulas():
-    from relaygr_engine.ops import time_bucket_bounds, time_buckets
+    from relaygr_engine.attention.ops import time_bucket_bounds, time_buckets
     formulas = {"ln_0301": lambda d: (torch.log(d.abs().clamp(min=1).float()) / 0.301).long(),
                 "sqrt_60": lambda d: torch.sqrt(d.float().clamp(min=1e-6) / 60.0).long()}
     g = torch.Generator().manual_seed(0)

@@ -356,7 +356,7 @@ def test_the_op_and_the_kernel_plan_share_one_layout_check(change):
     (Bad ``cu_seqlens_q`` values are left out: the op's message names the row count of q, which a plan never sees.)
     """
     from relaygr_engine.kernels.prefix_attention import plan_prefix_attention
-    from relaygr_engine.ops import paged_prefix_attention
+    from relaygr_engine.attention.ops import paged_prefix_attention
 
     args, _ = make_problem([(20, 2, 3), (0, 1, 1)], 16, 2, 32)
     bad = _bad(args, **change(args))

@@ -1,7 +1,7 @@
 """The kernels compiled for sm_90 (H100/H200) without a GPU: every kernel lowers to PTX and a cubin in Triton's
-portable subset, ``relaygr bench ptxas`` reports registers, spills, shared memory and the SASS instruction mix, and
-the CUDA autotune set keeps the configs that report found spill-free. The compiles run in fresh processes (this one
-may hold triton in interpreter mode)."""
+portable subset, ``python -m benchmarks.tools.ptxas`` reports registers, spills, shared memory and the SASS instruction
+mix, and the CUDA autotune set keeps the configs that report found spill-free. The compiles run in fresh processes (this
+one may hold triton in interpreter mode)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 COMPILE_FOR_SM90 = r"""
 import warnings
 warnings.filterwarnings("ignore")
-from relaygr_engine.bench.ptxas import compile_attention, compile_kernel, ptxas_report
+from benchmarks.tools.ptxas import compile_attention, compile_kernel, ptxas_report
 from relaygr_engine.kernels import _bias_table, _merge_kernel, kv_pack, kv_write, prefix_attention as p
 
 def check(k, name):
@@ -37,7 +37,7 @@ for persistent in (False, True):
     check(compile_attention("hstu", 128, 64, 32, num_warps=8, num_stages=2, persistent=persistent,
                             cand_tiles=False, hist_table=False), "hstu, history bias in the kernel")
 import triton
-from relaygr_engine.bench.sass import instruction_mix
+from benchmarks.tools.sass import instruction_mix
 for cand in (False, True):  # the Hopper variant beside it: full key blocks through a tensor descriptor (TMA)
     k = compile_attention("hstu", 256, 128 if cand else 64, 32, num_warps=8, num_stages=3, cand_tiles=cand, tma=True)
     assert "cp.async.bulk.tensor" in k.asm["ptx"] and instruction_mix(k.asm["cubin"])[1].local == 0
@@ -96,7 +96,8 @@ def test_kernels_compile_for_cuda_sm90_without_a_gpu():
 
 @pytest.mark.slow
 def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
-    """``relaygr bench ptxas`` compiles a config for sm_90 without a GPU and reports ptxas's resource numbers."""
+    """``python -m benchmarks.tools.ptxas`` compiles a config for sm_90 without a GPU and reports ptxas's resource
+    numbers."""
     import importlib.util
     import subprocess
 
@@ -104,7 +105,7 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
         pytest.skip("triton has no NVIDIA backend here (e.g. triton-ascend)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     path = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--modes", "softmax", "--head-dims", "64",
+    cmd = [sys.executable, "-m", "benchmarks.tools.ptxas", "--modes", "softmax", "--head-dims", "64",
            "--block-m", "64", "--block-n", "32", "--warps", "4", "--stages", "2", "--split-prefix", "both",
            "--json", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -117,7 +118,7 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
     assert split["sass"]["instructions"] > row["sass"]["instructions"] and split["loop"]["mma"] == row["loop"]["mma"]
     assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
     assert 0 < row["shared_bytes"] <= 232448 and row["fits"]
-    from relaygr_engine.bench.sm_limits import programs_per_sm
+    from benchmarks.tools.sm_limits import programs_per_sm
 
     assert row["programs_per_sm"] == programs_per_sm(row["registers"], row["shared_bytes"], 4) >= 1
     assert f"max_programs_per_sm_cand_d64={row['programs_per_sm']}" in last
@@ -130,7 +131,7 @@ def test_bench_ptxas_reports_registers_spills_and_shared_memory(tmp_path):
 def test_programs_per_sm_takes_the_tightest_of_registers_shared_memory_and_slots():
     """Static occupancy on sm_90: registers are allocated per warp in units of 256 and each block reserves 1 KB of
     shared memory; a block past the per-block limit fits nowhere."""
-    from relaygr_engine.bench.sm_limits import limits, programs_per_sm
+    from benchmarks.tools.sm_limits import limits, programs_per_sm
 
     assert programs_per_sm(255, 81920, 4) == 2      # 4 warps x 8192 registers: two blocks fill 64K
     assert programs_per_sm(255, 196608, 8) == 1     # the 128-row head-dim-256 tile
@@ -146,10 +147,10 @@ def test_programs_per_sm_takes_the_tightest_of_registers_shared_memory_and_slots
 
 @pytest.mark.slow
 def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path):
-    """``relaygr bench ptxas --defaults``: exactly the configs the CUDA launcher can pick (rows per tile kind from
-    ``pick_config``, autotune configs after ``prune_configs``), each spill-free, unsplit and split over the keys (the
-    build a ranking's few tiles run), with its SASS instruction mix: tensor cores and asynchronous K/V copies in the
-    key loop."""
+    """``python -m benchmarks.tools.ptxas --defaults``: exactly the configs the CUDA launcher can pick (rows per tile
+    kind from ``pick_config``, autotune configs after ``prune_configs``), each spill-free, unsplit and split over the
+    keys (the build a ranking's few tiles run), with its SASS instruction mix: tensor cores and asynchronous K/V copies
+    in the key loop."""
     import importlib.util
     import subprocess
 
@@ -163,7 +164,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
     # (the configs compile on threads: at least two, where a serial run on two cores would default to one)
     env[ENV_WORKERS] = str(max(2, compile_workers()))
     path = tmp_path / "d.json"
-    cmd = [sys.executable, "-m", "relaygr_engine.cli", "bench", "ptxas", "--defaults", "--head-dims", "64",
+    cmd = [sys.executable, "-m", "benchmarks.tools.ptxas", "--defaults", "--head-dims", "64",
            "--split-prefix", "both", "--json", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -202,7 +203,7 @@ def test_bench_ptxas_defaults_compile_the_launchers_configs_spill_free(tmp_path)
 BUILD_ON_THREADS = r"""
 import json, sys
 from dataclasses import asdict
-from relaygr_engine.bench.ptxas import Config, build_all
+from benchmarks.tools.ptxas import Config, build_all
 
 grid = [Config("softmax", 64, True, 128, 32, 8, 2), Config("hstu", 64, False, 64, 64, 4, 3, tma=True),
         Config("hstu-nobias", 128, True, 128, 64, 8, 2, split=True)]
@@ -228,9 +229,9 @@ def test_bench_ptxas_builds_on_threads_as_one_after_the_other():
 
 
 def test_prune_configs_keeps_the_rules_the_static_report_found():
-    """The CUDA autotune set per variant (read off ``relaygr bench ptxas --defaults``): candidate tiles on 8 warps;
-    history tiles of 64 rows also on 4 (one warp group: no score computed twice) up to head dim 128; head dim 256
-    keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
+    """The CUDA autotune set per variant (read off ``python -m benchmarks.tools.ptxas --defaults``): candidate tiles on
+    8 warps; history tiles of 64 rows also on 4 (one warp group: no score computed twice) up to head dim 128; head dim
+    256 keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
     bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
     offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
     stages except for 128-row history tiles computing their bias (and 64-row ones with a split prefix); on 4 warps

@@ -158,7 +158,7 @@ TRITON_INT8 = textwrap.dedent("""
     from relaygr_engine import quant
     from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels.prefix_attention import prefix_attention
-    from relaygr_engine.ops import paged_prefix_attention_torch
+    from relaygr_engine.attention.ops import paged_prefix_attention_torch
 
     worst = 0.0
     for seed, (users, ps) in enumerate([([(45, 10, 50), (16, 3, 2), (0, 0, 7), (130, 0, 33)], 16),
@@ -331,7 +331,7 @@ def test_cuda_8bit_kernel_matches_the_torch_path(kd):
     """On CUDA, where the kernel's 8-bit read is switched on (``RELAYGR_KV8_KERNEL=1``), the kernel over pages the
     Triton KV write stored matches the torch reference, both modes."""
     from relaygr_engine.kernels.prefix_attention import prefix_attention
-    from relaygr_engine.ops import paged_prefix_attention_torch
+    from relaygr_engine.attention.ops import paged_prefix_attention_torch
 
     dev, ps, H, D = torch.device("cuda"), 64, 4, 128
     g = torch.Generator(device=dev).manual_seed(0)

@@ -88,7 +88,7 @@ def test_rank_uncached_equals_rank_full(attention, timestamps, context, monkeypa
     t_req = None if not timestamps else int(hist.timestamps[-1]) + 99
     want = model.rank_full(hist, cands, request_time=t_req)
     torch.testing.assert_close(model.rank_uncached(hist, cands, request_time=t_req), want, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr("relaygr_engine.reference_attention._HISTORY_BLOCK_ROWS", 7)  # several causal blocks
+    monkeypatch.setattr("relaygr_engine.attention.reference._HISTORY_BLOCK_ROWS", 7)  # several causal blocks
     torch.testing.assert_close(model.rank_uncached(hist, cands, request_time=t_req), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="candidates must hold at least one"):
         model.rank_uncached(hist, cands[:0])

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import relaygr_engine.reference_attention as reference_attention
-from relaygr_engine.ops import paged_prefix_attention, time_buckets
+import relaygr_engine.attention.reference as reference_attention
+from relaygr_engine.attention.ops import paged_prefix_attention, time_buckets
 
 PAGE = 4
 H, D = 2, 8

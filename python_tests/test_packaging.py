@@ -39,8 +39,8 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_carries_data_types_and_license(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("relaygr_engine/py.typed", "relaygr_engine/data/latency_cpu.json",
-                 "relaygr_engine/workload_data/movielens_small_profile.json",
-                 "relaygr_engine/workload_data/README.md", "relaygr_engine/kernels/prefix_attention.py",
+                 "relaygr_engine/workload/data/movielens_small_profile.json",
+                 "relaygr_engine/workload/data/README.md", "relaygr_engine/kernels/prefix_attention.py",
                  "relaygr_engine/bench/slo.py", "relaygr_engine/serving/metrics.py"):
         assert path in names, path
     assert any(n.startswith("relaygr_engine/_C") for n in names)

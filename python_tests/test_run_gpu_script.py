@@ -62,7 +62,7 @@ def test_steps_run_in_the_order_named_with_their_times_and_an_archive(tmp_path):
     # a quoted `bash -c` step survives being stored and run again: each of ncu's arguments arrives whole
     args = log.read_text().splitlines()
     assert "regex:prefix_attention|bias_table|reduce_kernel" in args and "--cuda-profiler-window" in args
-    assert args[-3:] == [str(tmp_path / "bin" / "fakepy"), "benchmarks/profile_rank.py", "--cuda-profiler-window"]
+    assert args[-3:] == [str(tmp_path / "bin" / "fakepy"), "benchmarks/tools/profile_rank.py", "--cuda-profiler-window"]
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {"out/steps.tsv", "out/rank.txt", "out/env.txt", "out/ncu.txt"} <= names

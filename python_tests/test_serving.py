@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from relaygr_engine.bench.serving import PrefillOutcome, RankOutcome, simulate
-from relaygr_engine.bench.workload import Request, Workload, WorkloadConfig
+from relaygr_engine.bench.sim import PrefillOutcome, RankOutcome, simulate
+from relaygr_engine.workload.build import Request, Workload, WorkloadConfig
 
 
 class FakeTimer:
@@ -206,7 +206,7 @@ def _small_log_and_ranker(num_users: int, per_user: int, num_requests: int):
     """A real-engine set-up: a log of ``num_users`` users with ``per_user`` events each (seeded), its workload of
     ``num_requests`` requests (4 candidates, 10 s pipeline gap), and a 1-layer HSTU ranker."""
     import relaygr_engine as rg
-    from relaygr_engine.bench.workload import InteractionLog, build_workload
+    from relaygr_engine.workload.build import InteractionLog, build_workload
 
     rng = np.random.default_rng(0)
     users = np.repeat(np.arange(num_users), per_user)
@@ -222,7 +222,7 @@ def _small_log_and_ranker(num_users: int, per_user: int, num_requests: int):
 def test_relay_service_on_the_real_engine_chunks_caches_and_counts_trigger_decisions():
     pytest.importorskip("torch")
     import relaygr_engine as rg
-    from relaygr_engine.bench.serving import BaselineService, RelayService, TriggerHook
+    from relaygr_engine.bench.sim import BaselineService, RelayService, TriggerHook
     from relaygr_engine.policy import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
     w, model = _small_log_and_ranker(num_users=4, per_user=30, num_requests=20)

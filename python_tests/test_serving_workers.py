@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from relaygr_engine.bench.serving import (BatchPolicy, PrefillOutcome, RankOutcome, Role, Worker, simulate)
-from relaygr_engine.bench.workload import Request, Workload, WorkloadConfig
+from relaygr_engine.bench.sim import (BatchPolicy, PrefillOutcome, RankOutcome, Role, Worker, simulate)
+from relaygr_engine.workload.build import Request, Workload, WorkloadConfig
 from relaygr_engine.policy.affinity import rank_replicas
 
 from test_serving import FakeService, FakeTimer, _qps, _small_log_and_ranker
@@ -131,7 +131,7 @@ def test_disaggregated_prefix_arrives_after_pack_copy_unpack_and_a_late_one_reco
 def test_disaggregated_workers_on_real_engines_rank_from_shipped_prefixes():
     pytest.importorskip("torch")
     import relaygr_engine as rg
-    from relaygr_engine.bench.serving import PreInferService, RelayService, disaggregated_workers
+    from relaygr_engine.bench.sim import PreInferService, RelayService, disaggregated_workers
 
     w, model = _small_log_and_ranker(num_users=6, per_user=10, num_requests=24)
 
@@ -155,7 +155,7 @@ def test_merged_worker_stats_sum_counts_and_keep_setup_values():
     workers' common value (never a sum), None where workers differ."""
     from types import SimpleNamespace
 
-    from relaygr_engine.bench.serving.clock import _merged_stats
+    from relaygr_engine.bench.sim.clock import _merged_stats
     worker = (lambda **stats: SimpleNamespace(service=SimpleNamespace(stats=lambda: stats)))
     merged = _merged_stats([worker(hbm_hits=3, kv_bits=16, pool_num_pages=100),
                             worker(hbm_hits=4, kv_bits=16, pool_num_pages=100)])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from relaygr_engine.config import AttentionMode
-from relaygr_engine.ops import paged_prefix_attention_torch
-from relaygr_engine.torch_plan import build_torch_plan, planned_attention
+from relaygr_engine.attention.ops import paged_prefix_attention_torch
+from relaygr_engine.attention.torch_plan import build_torch_plan, planned_attention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,7 +66,7 @@ def test_planned_attention_equals_the_reference(mode, users, sorted_times):
 
 
 def test_planned_attention_declines_batches_past_its_padding_budget(monkeypatch):
-    import relaygr_engine.torch_plan as tp
+    import relaygr_engine.attention.torch_plan as tp
     p = _problem(3, [(40, 40, 0)])
     args = (p["rows"], p["cands"], p["prefix"], p["pages"], p["ps"], 2, p["q"].device)
     assert tp.build_torch_plan(*args) is not None

@@ -359,7 +359,7 @@ def test_concurrent_reserve_never_overshoots_the_inflight_bound():
 
 # ---------------------------------------------------------------------------------------------------- relaygr calibrate
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
-    from relaygr_engine.bench.calibrate import main
+    from relaygr_engine.policy.calibration import main
 
     out = tmp_path / "prof.json"
     rc = main(["--num-layers", "1", "--max-seq-len", "64", "--lengths", "8,16,32", "--candidates", "2,4",
@@ -373,7 +373,7 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
 
 
 def test_calibrate_cli_rejects_lengths_past_max_seq_len(capsys):
-    from relaygr_engine.bench.calibrate import main
+    from relaygr_engine.policy.calibration import main
 
     assert main(["--max-seq-len", "64", "--lengths", "8,65", "--repeats", "1"]) == 2
     assert "--lengths must be in [1, max_seq_len=64], got [65]" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import gzip
 import numpy as np
 import pytest
 
-from relaygr_engine.bench.workload import (WorkloadConfig, build_workload, compress_times, fit_profile, load_profile,
+from relaygr_engine.workload.build import (WorkloadConfig, build_workload, compress_times, fit_profile, load_profile,
                                            read_interactions, remap_items, synthesize_interactions, action_ids)
 
 

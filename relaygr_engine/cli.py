@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import importlib
-import pkgutil
-import re
 import sys
-from pathlib import Path
 from typing import NoReturn, Optional
 
 HELP = """\
@@ -19,26 +16,39 @@ commands:
   calibrate [...]     measure the latency profile the trigger uses
   demo [...]          the main job: relay-race vs full inference under a P99 SLO on a real-log workload
   serve [...]         Ray Serve replicas with relay engines
+  workload [...]      fit a workload profile from a log, or describe one
 
 relaygr COMMAND --help (relaygr bench NAME --help) lists a command's options."""
 
 # command word -> module whose main(argv) runs it
 _COMMANDS = {
-    "calibrate": "relaygr_engine.bench.calibrate",
+    "calibrate": "relaygr_engine.policy.calibration",
     "demo": "relaygr_engine.bench.demo",
     "serve": "relaygr_engine.serving.cli",
+    "workload": "relaygr_engine.workload.build",
 }
+
+# ``relaygr bench NAME`` -> the module whose main(argv) runs it: the benchmarks a user runs.
+BENCHMARKS = {
+    "kernels": "relaygr_engine.bench.kernels",
+    "kvquant": "relaygr_engine.bench.kvquant",
+    "overhead": "relaygr_engine.bench.overhead",
+    "pool": "relaygr_engine.bench.pool",
+    "rank": "relaygr_engine.bench.rank",
+    "ray": "relaygr_engine.bench.ray",
+    "seeds": "relaygr_engine.bench.seeds",
+    "slo": "relaygr_engine.bench.slo",
+    "tiers": "relaygr_engine.bench.tiers",
+    "transfer": "relaygr_engine.bench.transfer",
+}
+
+# Kernel-developer tools, run from a checkout (they are not in the wheel).
+_TOOLS = {"ptxas": "benchmarks.tools.ptxas", "sass": "benchmarks.tools.sass"}
 
 
 def _benchmarks() -> list[str]:
-    """The ``relaygr bench`` names: the modules of :mod:`relaygr_engine.bench` with a command line (a top-level
-    ``def main(``), less those with a command word of their own or that are a tool rather than a benchmark."""
-    import relaygr_engine.bench as bench
-    own = {"demo", "calibrate", "workload"}  # relaygr demo / calibrate; the workload module's fit/describe tool
-    folder = Path(bench.__path__[0])
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
-                  if not m.ispkg and m.name not in own
-                  and re.search(r"^def main\(", (folder / f"{m.name}.py").read_text(), re.M))
+    """The ``relaygr bench`` names."""
+    return sorted(BENCHMARKS)
 
 
 def info() -> int:
@@ -95,9 +105,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if not rest:
             _usage_error("relaygr bench", f"NAME is missing: one of {', '.join(names)}")
+        if rest[0] in _TOOLS:
+            _usage_error("relaygr bench", f"{rest[0]} is a kernel-developer tool, not in the installed package: run "
+                                          f"`python -m {_TOOLS[rest[0]]}` from a checkout of relaygr-engine")
         if rest[0] not in names:
             _usage_error("relaygr bench", f"NAME must be one of {', '.join(names)}, got {rest[0]!r}")
-        module = importlib.import_module(f"relaygr_engine.bench.{rest[0]}")
+        module = importlib.import_module(BENCHMARKS[rest[0]])
         return int(module.main(rest[1:]) or 0)
     if cmd in _COMMANDS:
         return int(importlib.import_module(_COMMANDS[cmd]).main(rest) or 0)

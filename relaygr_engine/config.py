@@ -88,6 +88,25 @@ class KVDtype(str, enum.Enum):
         return self is not KVDtype.MODEL
 
 
+# The quantised page format's sizes (one definition; :mod:`relaygr_engine.quant` holds the rest of the format).
+SCALE_BYTES = 4  # bytes of a row's fp32 scale
+
+
+def storage_dtype(kv_dtype: KVDtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache layer tensor: ``dtype``, or ``uint8`` when quantised."""
+    return torch.uint8 if kv_dtype.quantized else dtype
+
+
+def scale_slots(kv_dtype: KVDtype, page_size: int, head_dim: int) -> int:
+    """Slots of a page's K (or V) section that hold scales: ``ceil(4 * page_size / head_dim)``, 0 unquantised."""
+    return -(-SCALE_BYTES * page_size // head_dim) if kv_dtype.quantized else 0
+
+
+def layer_shape(kv_dtype: KVDtype, num_pages: int, page_size: int, num_heads: int, head_dim: int) -> tuple:
+    """Shape of one layer's cache tensor."""
+    return (num_pages, 2, page_size + scale_slots(kv_dtype, page_size, head_dim), num_heads, head_dim)
+
+
 class PageReads(str, enum.Enum):
     """How the Triton prefix-attention kernel reads a full key block's K and V from the pages."""
 
@@ -99,7 +118,7 @@ class PageReads(str, enum.Enum):
 class AttentionMode(str, enum.Enum):
     """How attention weights are formed over the visible keys.
 
-    The one definition shared by the op (:mod:`relaygr_engine.ops`), the Triton kernel
+    The one definition shared by the op (:mod:`relaygr_engine.attention.ops`), the Triton kernel
     (``relaygr_engine.kernels.prefix_attention``) and the model configuration; parse user input with
     ``parse_choice(AttentionMode, value, "mode")``.
     """
@@ -113,8 +132,8 @@ class TimeBucket(str, enum.Enum):
     ``num_buckets - 1``.
 
     The one definition shared by the op, the torch plan, the Triton kernel and the model configuration. Every
-    function is a step function of ``d``; :func:`relaygr_engine.ops.time_bucket_bounds` gives its integer steps,
-    which is how every backend computes it (so they agree exactly).
+    function is a step function of ``d``; :func:`relaygr_engine.attention.ops.time_bucket_bounds` gives its integer
+    steps, which is how every backend computes it (so they agree exactly).
     """
 
     LOG2 = "log2"        # bit_length(max(d, 0)): bucket b >= 1 holds d in [2**(b-1), 2**b)
@@ -251,8 +270,6 @@ class CacheConfig:
     def page_bytes(self, num_layers: int, num_heads: int, head_dim: int) -> int:
         """Bytes one page takes on the device: K and V of every layer (8-bit: values and their scales) plus its
         int64 timestamps."""
-        from .quant import layer_shape, storage_dtype
-
         shape = layer_shape(self.kv_dtype, 1, self.page_size, num_heads, head_dim)
         elem = torch.empty((), dtype=storage_dtype(self.kv_dtype, self.dtype)).element_size()
         return num_layers * math.prod(shape) * elem + self.page_size * 8

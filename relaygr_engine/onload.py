@@ -3,7 +3,7 @@
 A DRAM entry holds a prefix's K/V of every layer in one contiguous host buffer (:mod:`relaygr_engine.tiers`).
 Copied back whole before the forward, a hit costs the whole prefix's copy on the critical path. Here the copy of
 layer ``l`` goes on a side stream and records event ``l``; the forward runs on the compute stream, and each layer's
-attention op (:func:`relaygr_engine.relay_op.relay_attention`) first waits for event ``l`` (:func:`wait_layer`), so
+attention op (:func:`relaygr_engine.attention.op.relay_attention`) first waits for event ``l`` (:func:`wait_layer`), so
 layer ``l + 1``'s pages are copied while layer ``l`` computes and a hit costs about one layer's copy. The events
 are created with ``external=True``: captured in a CUDA graph, each wait becomes an event-wait node, so a replayed
 forward waits on the copies of the hit it serves as well.

@@ -15,7 +15,8 @@ head dim 256, 12.5% at 32).
 * ``int8``: ``scale = amax / 127``, ``q = floor(x / scale + 0.5)`` in ``[-127, 127]`` (error <= scale / 2);
 * ``fp8_e4m3``: ``scale = amax / 448``, ``q = x / scale`` rounded to e4m3 (relative error <= 2**-4).
 
-A row of zeros has scale 1. The Triton kernel reads the same format (``KV8`` in ``kernels/_prefix_kernel.py``).
+A row of zeros has scale 1. The Triton kernel reads the same format (``KV8`` in
+``relaygr_engine/kernels/_prefix_kernel.py``).
 """
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ import functools
 
 import torch
 
-from .config import KVDtype, env_flag
+from .config import SCALE_BYTES, KVDtype, env_flag, layer_shape, scale_slots, storage_dtype  # noqa: F401
 
 __all__ = ["KERNEL_ENV", "QMAX", "SCALE_BYTES", "dequantize", "kernel_runs", "layer_shape", "load_pages", "quantize",
            "quantize_pages", "scale_slots", "scales", "storage_dtype", "store", "token_page_size", "value_dtype",
            "values"]
 
-SCALE_BYTES = 4
 QMAX = {KVDtype.INT8: 127.0, KVDtype.FP8_E4M3: 448.0}  # the largest 8-bit magnitude used
 KERNEL_ENV = "RELAYGR_KV8_KERNEL"
 
@@ -42,8 +42,8 @@ def kernel_runs(device: torch.device) -> bool:
     P.V ``wgmma`` of an HSTU candidate tile, ``benchmarks/results/gpu-h100-2026-11-26b``), and on an H200 int8
     pages did too (``gpu-h200-2026-11-26b``); assembled by a CUDA 13 ptxas instead of Triton 3.6's 12.8 it no longer
     faults but is wrong (``gpu-h100-2026-11-27``: 2.6% of the values off by up to 0.36). Until a GPU run passes,
-    8-bit pages on CUDA attend through the torch path (:func:`relaygr_engine.ops.paged_prefix_attention` says so
-    once); the Triton KV write, which passed there,
+    8-bit pages on CUDA attend through the torch path (:func:`relaygr_engine.attention.ops.paged_prefix_attention` says
+    so once); the Triton KV write, which passed there,
     still quantises them."""
     if device.type != "cuda":
         return True
@@ -53,21 +53,6 @@ def kernel_runs(device: torch.device) -> bool:
 def value_dtype(kv_dtype: KVDtype) -> torch.dtype:
     """The torch dtype of the 8-bit values (``int8`` or ``float8_e4m3fn``)."""
     return torch.int8 if kv_dtype is KVDtype.INT8 else torch.float8_e4m3fn
-
-
-def storage_dtype(kv_dtype: KVDtype, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a cache layer tensor: ``dtype``, or ``uint8`` when quantised."""
-    return torch.uint8 if kv_dtype.quantized else dtype
-
-
-def scale_slots(kv_dtype: KVDtype, page_size: int, head_dim: int) -> int:
-    """Slots of a page's K (or V) section that hold scales: ``ceil(4 * page_size / head_dim)``, 0 unquantised."""
-    return -(-SCALE_BYTES * page_size // head_dim) if kv_dtype.quantized else 0
-
-
-def layer_shape(kv_dtype: KVDtype, num_pages: int, page_size: int, num_heads: int, head_dim: int) -> tuple:
-    """Shape of one layer's cache tensor."""
-    return (num_pages, 2, page_size + scale_slots(kv_dtype, page_size, head_dim), num_heads, head_dim)
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,7 +21,8 @@ from torch import nn
 from .batch import RelayBatch
 from .behaviors import Behaviors
 from .config import CacheConfig, KVDtype, parse_choice
-from .context import batch_context, current_context, find_layers
+from .attention.context import batch_context, current_context
+from .attention.layer import find_layers
 from .engine import RankRequest, RelayEngine
 
 __all__ = ["RelayMismatch", "check_relay_exact", "forbid_device_sync", "no_cache_scores"]

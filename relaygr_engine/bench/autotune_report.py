@@ -1,5 +1,5 @@
 """What the prefix kernel's autotuner chose on this device, and what each candidate took: printed by ``relaygr bench
-rank`` and ``benchmarks/profile_rank.py`` (CUDA), so a GPU run says which configs win at a shape (e.g. one 8-warp
+rank`` and ``benchmarks/tools/profile_rank.py`` (CUDA), so a GPU run says which configs win at a shape (e.g. one 8-warp
 program per tile, two 4-warp ones, or the value columns split) without forcing each in turn; and whether the sm_90
 kernel ran (:func:`hopper_fields`: with ``RELAYGR_HOPPER_KERNEL=1`` a failure falls back to the portable kernel,
 logged once, so a run must say which kernel its figures are from).

@@ -195,9 +195,10 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
     the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None).
-    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``kernels/_hopper.py``); ``hopper_overlap``:
-    its HSTU key loop overlapped or not (None: by head dim; :func:`~relaygr_engine.kernels._hopper_launch.overlap`),
-    the row's ``hopper_overlap`` (only where the sm_90 kernel runs)."""
+    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``relaygr_engine/kernels/_hopper.py``);
+    ``hopper_overlap``: its HSTU key loop overlapped or not (None: by head dim;
+    :func:`~relaygr_engine.kernels._hopper_launch.overlap`), the row's ``hopper_overlap`` (only where the sm_90 kernel
+    runs)."""
     from relaygr_engine.kernels import _hopper_launch as HL
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
     from relaygr_engine.kernels._split import fill_splits, split_dtype as partials_dtype, split_layout

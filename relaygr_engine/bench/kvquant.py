@@ -30,7 +30,7 @@ from ..engine import RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
 from ..batch import RelayBatch
 from .common import emit_result, environment, percentile
-from .workload_logs import read_interactions
+from ..workload.logs import read_interactions
 
 __all__ = ["Sequences", "agreement", "main", "train"]
 

@@ -32,13 +32,13 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import layer as layer_module, relay_op
+from ..attention import layer as layer_module, op as relay_op
 from ..cli_args import ArgumentParser
 from ..config import CacheConfig
 from ..engine import RankRequest, RelayEngine
 from ..models import Behaviors, GRModelConfig, build_ranker
 from .common import emit_result, environment, median_time, percentile, synthetic_history
-from .serving import service_clock
+from .sim import service_clock
 
 __all__ = ["OpCounter", "count_ops", "hit_path_ops", "main", "split_hit_time"]
 
@@ -240,7 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(row)
                 print(line)
     by = {(r["L"], r["C"], r["batch"]): r for r in rows}
-    result.update(ops_per_layer=round(ops["hit_ops_per_layer"], 1), ops_per_request=round(ops["hit_ops_per_request"], 1),
+    result.update(ops_per_layer=round(ops["hit_ops_per_layer"], 1),
+                  ops_per_request=round(ops["hit_ops_per_request"], 1),
                   uncached_ops_per_layer=round(ops["uncached_ops_per_layer"], 1),
                   us_per_call=round(by[(16, 1, 1)]["hit_us_per_request"], 1))
     if (16, 1, 32) in by:

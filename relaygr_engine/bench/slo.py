@@ -2,8 +2,8 @@
 
 For each mode (``baseline``: full inference on the critical path, ``model.rank_uncached`` by default (the relay
 engine's kernels without a cache) or ``model.rank_full`` with ``--baseline dense``; ``relay``: trigger + HBM prefix
-cache (+ DRAM expander); ``relay_no_expander``) on the same request stream (:mod:`relaygr_engine.bench.workload`),
-served by one worker on a virtual clock with the real engine's compute (:mod:`relaygr_engine.bench.serving`):
+cache (+ DRAM expander); ``relay_no_expander``) on the same request stream (:mod:`relaygr_engine.workload.build`),
+served by one worker on a virtual clock with the real engine's compute (:mod:`relaygr_engine.bench.sim`):
 
 1. **SLO-compliant throughput**: the highest QPS whose P99 ranking latency is within ``--slo-ms``
    (a geometric sweep, then bisection: :func:`relaygr_engine.bench.search.slo_throughput`); every evaluated QPS is
@@ -37,10 +37,10 @@ from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentPar
                         add_model_arguments, device, existing_file, require_modules)
 from ..config import KVDtype
 from . import slo_setup, slo_workers
-from .serving import BaselineImpl, Mode
+from .sim import BaselineImpl, Mode
 from .slo_output import METHOD, Console, _wants_progress, print_paths, print_table  # noqa: F401 (re-exported)
 from .slo_run import _cpu_timer_ok, load_log, run
-from .workload_logs import InteractionLog
+from ..workload.logs import InteractionLog
 
 __all__ = ["build_parser", "apply_settings", "check_args", "load_checked_log", "run", "main", "METHOD"]
 

@@ -20,13 +20,13 @@ from . import report as rpt
 from . import slo_setup, slo_workers
 from .slo_points import PointLog
 from .common import exceed_count
-from .serving import cpu_timer_valid, service_clock, simulate
+from .sim import cpu_timer_valid, service_clock, simulate
 from .slo_output import (METHOD, Console, _fmt_load, _headline, _notes, _prefill_line, _ratio, _verdict,
                          _wants_progress)
-from .workload import build_workload
-from .workload_logs import InteractionLog, read_interactions
-from .workload_profiles import load_profile, synthesize_interactions
-from .workload_requests import Workload, WorkloadConfig
+from ..workload.build import build_workload
+from ..workload.logs import InteractionLog, read_interactions
+from ..workload.profiles import load_profile, synthesize_interactions
+from ..workload.requests import Workload, WorkloadConfig
 
 _MAX_REQUESTS_FACTOR = 4  # the measured stream holds this many times --requests (for --min-duration-s)
 
@@ -47,7 +47,7 @@ def calibrate_latency(baseline, num_candidates: int, max_len: int, device: str, 
                       timer=time.perf_counter):
     """Fit the trigger's latency model on the baseline's full inference of this model (seconds to a few minutes).
 
-    ``baseline`` is a :class:`~relaygr_engine.bench.serving.BaselineService` built as the baseline's workers are
+    ``baseline`` is a :class:`~relaygr_engine.bench.sim.BaselineService` built as the baseline's workers are
     (implementation, CUDA graphs, compilation): the trigger predicts what a ranking without a cache costs as the
     baseline serves it. ``timer`` is the benchmark's service-time clock.
     """

@@ -3,7 +3,7 @@
 Every mode is served by the same K workers (devices) on the same trace. ``baseline``: K workers of full inference;
 ``relay`` / ``relay_no_expander``: K co-located relay workers (each pre-infers and ranks its users); ``disagg_pP``
 (one per P of ``--disaggregate``): P workers pre-infer only and ship packed prefixes to the K - P that rank
-(:mod:`relaygr_engine.bench.serving.disaggregate`). Rankings are batched continuously up to ``--max-batch``
+(:mod:`relaygr_engine.bench.sim.disaggregate`). Rankings are batched continuously up to ``--max-batch``
 requests and ``--batch-tokens`` tokens. The crossover compares each P with the co-located relay at the same K:
 SLO-compliant throughput, the longest history within the SLO, and the smallest P from which disaggregation is at
 least as good, beside the P that the ratio policy (:mod:`relaygr_engine.policy.ratio`) derives from the
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..policy.ratio import ServiceRates, split
-from .serving import (BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role, TriggerHook,
+from .sim import (BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role, TriggerHook,
                       Worker, disaggregated_workers)
 
 __all__ = ["add_arguments", "check", "modes", "baseline", "build", "batch_policy", "crossover", "crossover_markdown",

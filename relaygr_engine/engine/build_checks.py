@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import AttentionBackend, CacheConfig, GraphConfig
-from ..ops import _resolve_backend
+from ..attention.ops import _resolve_backend
 
 __all__ = ["cache_shape", "check_prefix_stable", "graph_config", "model_device", "same_device"]
 

@@ -11,7 +11,7 @@ from torch import nn
 from ..batch import check_request
 from ..behaviors import Behaviors
 from ..config import CacheConfig, GraphConfig
-from ..context import find_layers
+from ..attention.layer import find_layers
 from ..identity import WeightsIdentity
 from ..policy._checks import clock as _clock
 from ..policy._checks import user_id as _user_id
@@ -34,9 +34,10 @@ class RelayEngine:
     Parameters
     ----------
     model : nn.Module
-        A ranker holding :class:`~relaygr_engine.layer.PrefixAttention` layers, called as
+        A ranker holding :class:`~relaygr_engine.attention.layer.PrefixAttention` layers, called as
         ``model(batch) -> scores [number of candidate rows, num_tasks]`` (see :mod:`relaygr_engine.engine`), on the
-        cache's device; or such a ranker compiled with ``torch.compile`` (served compiled, see ``compile_model``). A model with a ``check_inputs(history, candidates, request_time)`` method (like
+        cache's device; or such a ranker compiled with ``torch.compile`` (served compiled, see ``compile_model``). A
+        model with a ``check_inputs(history, candidates, request_time)`` method (like
         :class:`~relaygr_engine.models.GRRanker`) has it called on every request before any state changes.
         A model whose outputs are not prefix-stable is refused with ``ValueError``: a layer with
         ``hstu_norm="batch"``, or a model listing features in a ``prefix_unstable_features`` attribute (e.g.
@@ -57,12 +58,12 @@ class RelayEngine:
         them: cached prefixes of another version are never reused).
     compile_attention : bool
         Torch backend: run each layer's attention over the batch plan through ``torch.compile`` (dynamic shapes;
-        :func:`relaygr_engine.torch_plan.compiled_core`). Default False. The first calls of each kind (dtype,
+        :func:`relaygr_engine.attention.torch_plan.compiled_core`). Default False. The first calls of each kind (dtype,
         mode, single or batched) compile, about a minute on a CPU; ``relaygr bench overhead --compile`` measures
         what it gains on a machine.
     compile_model : bool
         Compile the whole model: ``torch.compile(model, fullgraph=True, dynamic=True)``, each layer's attention one
-        opaque op (:mod:`relaygr_engine.relay_op`), so the model's projections, norms and gates fuse around it.
+        opaque op (:mod:`relaygr_engine.attention.op`), so the model's projections, norms and gates fuse around it.
         Default False. The first forwards of each kind (prefill, ranking, batch) compile (seconds to a minute on
         a CPU). A model that cannot be compiled is served eagerly from then on (logged once; ``stats()`` counts
         ``compile_failures`` and ``compile_eager``); the same holds for a model given compiled.

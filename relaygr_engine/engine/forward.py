@@ -10,9 +10,9 @@ from torch import nn
 from .._host import ship
 from ..batch import RelayBatch
 from ..config import AttentionBackend, GraphConfig
-from ..context import PagedState, paged_context
-from ..torch_plan import build_torch_plan
-from ..ops import _resolve_backend, plan_paged_attention
+from ..attention.context import PagedState, paged_context
+from ..attention.torch_plan import build_torch_plan
+from ..attention.ops import _resolve_backend, plan_paged_attention
 from .compiled import ModelCaller
 from .graphs import GraphRunner
 from .layout import check_scores, page_layout, split_scores

@@ -44,7 +44,7 @@ from .._host import Arena
 from .._warn import warn_once
 from ..batch import RelayBatch, RequestRows, build_device, gather_rows, structure_arrays
 from ..config import AttentionBackend, GraphConfig
-from ..context import PagedState, paged_context
+from ..attention.context import PagedState, paged_context
 from ..kernels._common import cdiv, tile_arrays
 from .layout import check_scores, page_layout, split_scores
 from .records import Job

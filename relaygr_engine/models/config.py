@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from ..config import AttentionMode, TimeBucket, check_int, parse_choice
 from ..kernels._common import check_scalar
-from ..time_bucketing import check_time_buckets
+from ..attention.time_buckets import check_time_buckets
 
 __all__ = ["GRModelConfig", "HSTUActivation", "HSTUOutput", "HSTUOutputNorm"]
 

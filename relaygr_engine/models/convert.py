@@ -31,7 +31,7 @@ from typing import Mapping, Sequence, Union
 import torch
 
 from ..config import TimeBucket
-from ..ops import AttentionMode
+from ..attention.ops import AttentionMode
 from .config import GRModelConfig, HSTUActivation, HSTUOutput, HSTUOutputNorm
 
 __all__ = ["from_meta_research_hstu", "from_meta_stu", "from_nvidia_hstu", "meta_research_options",

@@ -1,4 +1,4 @@
-"""HSTU and softmax-transformer layers built on :class:`~relaygr_engine.layer.PrefixAttention`.
+"""HSTU and softmax-transformer layers built on :class:`~relaygr_engine.attention.layer.PrefixAttention`.
 
 Each layer is ``project`` (rows -> q, k, v), its ``attn`` (a ``PrefixAttention``: the paged op in a relay forward,
 dense masked attention otherwise), then ``finish`` (attention output -> new rows). The K and V that ``project``
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layer import PrefixAttention
+from ..attention.layer import PrefixAttention
 from .config import GRModelConfig, HSTUActivation, HSTUOutput, HSTUOutputNorm
 
 __all__ = ["HSTULayer", "SoftmaxLayer", "make_layer"]

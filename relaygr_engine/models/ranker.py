@@ -9,11 +9,12 @@ from torch import nn
 
 from ..batch import RelayBatch, check_request, request_time_of
 from ..behaviors import Behaviors
-from ..context import batch_context, find_layers, paged_context, PagedState
+from ..attention.context import batch_context, paged_context, PagedState
+from ..attention.layer import find_layers
 from ..config import AttentionBackend
 from ..identity import WeightsIdentity
-from ..ops import _resolve_backend, plan_paged_attention
-from ..torch_plan import build_torch_plan
+from ..attention.ops import _resolve_backend, plan_paged_attention
+from ..attention.torch_plan import build_torch_plan
 from .config import GRModelConfig
 from .layers import make_layer
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from .._warn import warn_once
-from ..bench.common import percentile
+from ..stats import percentile
 from . import _checks
 
 __all__ = ["LatencyPoint", "LatencyModel", "calibrate", "fit_coefficients", "PROFILE_FORMAT"]
