@@ -247,7 +247,8 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
     """Where :func:`relaygr_engine.quant.kernel_runs` says no (CUDA without ``RELAYGR_KV8_KERNEL=1``), a Triton-backend
     call on 8-bit pages gets the torch path's output, with one warning; the model dtype still takes the kernel, and
     so do 8-bit pages where the kernel runs."""
-    from relaygr_engine import _warn, ops
+    from relaygr_engine import _warn
+    from relaygr_engine.attention import ops
 
     calls = []
     monkeypatch.setattr(ops, "_triton_impl", lambda: (lambda *a, **kw: calls.append(kw["kv_dtype"]) or a[0]))

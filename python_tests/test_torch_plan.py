@@ -150,7 +150,7 @@ def test_split_hit_time_times_the_parts_of_real_hits_and_takes_its_proxies_out()
     on the engine's own calls, each a hit, and the proxies are taken out after."""
     from relaygr_engine.bench.common import synthetic_history
     from relaygr_engine.bench.overhead import _cached, _engine, _model, split_hit_time
-    from relaygr_engine import layer, relay_op
+    from relaygr_engine.attention import layer, op as relay_op
     from relaygr_engine.engine import RankRequest
     engine = _engine(_model(2, "cpu"), "cpu")
     caller, op = engine.runner.model, relay_op.relay_attention
