@@ -1,64 +1,26 @@
 #!/usr/bin/env bash
-# Everything a CUDA machine should check, in one command: the CUDA tests, then the kernel benchmarks against their
-# goals, the static ptxas report with this machine's Triton, and the engine-level benchmarks on CUDA.
-#
-#   bash benchmarks/run_gpu.sh [OUT_DIR]        (default: benchmarks/results/gpu-<date>)
-#   STEPS="rank kernels-splits" bash benchmarks/run_gpu.sh "$OUT"     (a subset, run in the order STEPS names them)
-#
-# Environment: STEPS (which steps, in that order; an unknown name stops the script before anything runs);
-# DEADLINE_S (seconds from the script's start, the install included, after which no step starts: a step starts only
-# with MIN_STEP_S, default 30, left, and its own limit is cut to what is left, so a time-limited call returns what
-# it finished); ARCHIVE (a .tgz path: OUT_DIR packed into it when the script ends, for a runner that returns few
-# files); RELAYGR_COMMIT (the commit named in every header, else `git rev-parse`). OUT_DIR/steps.tsv lists each
-# step's seconds and exit status (or "not run"), so later calls can be sized from it.
-#
-# A lent GPU session may have 15 device minutes in all, the machine's start included, and a call returns at most 8
-# files: one call, its timeout_s about 560, of
-#   RELAYGR_COMMIT=<sha> DEADLINE_S=480 ARCHIVE=$OUT/gpu.tgz STEPS="..." bash benchmarks/run_gpu.sh /tmp/gpu-run
-# with, in order of what is least known and most asked (as of 2026-11-27, after five sessions' runs:
-# benchmarks/results/gpu-h100-2026-11-2{6,6b,7}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
-# variants for the later ones, which find them in Triton's cache), calls back to back (a warm machine is given
-# back 30 s after a call: have the second command ready):
-#   1. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
-#      at this shape: its length is unknown; its first try, 2026-11-27, spent its 200 s in the latency calibration,
-#      which then ran the torch reference and now times the baseline's graphed ranking; a seed cut short resumes in
-#      a later call from its points.jsonl, its folder copied back into OUT_DIR/slo-seeds first; the calibration
-#      itself must finish within one call)
-#   2. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
-#   3. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
-# A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59;
-# public reports tie Hopper wgmma faults of our kind to ptxas before CUDA 13; tried on 2026-11-27: the kernel's
-# 8-bit read no longer faults with 13.4 but its results are wrong, benchmarks/results/gpu-h100-2026-11-27/): copy Triton 3.9's
-# `triton/backends/nvidia/bin/ptxas-blackwell` (52 MB) into an ignored folder of the checkout, e.g. `.carry/ptxas`
-# (`echo /.carry/ >> .git/info/exclude`), name `.carry` in the device call's carry, and prefix the command with
-# TRITON_PTXAS_PATH=$PWD/.carry/ptxas (Triton 3.6-3.8 read it for sm_90; 3.9 reads TRITON_PTXAS_BLACKWELL_PATH and
-# already uses 13.4; the env step prints which ptxas assembles sm_90 code).
-# Done on 2026-11-26 (rerun after a change to what they measure): tests-hopper-twin kernels-hopper-rank rank-hopper
-# rank host tests-hopper profile-graphs kernels-splits tiers-8k kernels-hopper kernels-split-dtype; in the second
-# run tests-gpu sanitize-kv8 kernels-d64 kernels-d128 kernels-d256 ncu profile-graphs-hopper; in the third (H200)
-# tests-hopper-twin kernels-hopper-rank rank tests-gpu rank-hopper (tests-cuda and sanitize-kv8 cut); in the fourth
-# (H200) tests-cuda (all pass), tests-kv8 (int8 and fp8 fault), kernels-hopper; in the fifth (H100, 2026-11-27)
-# kernels-rule-d256 kernels-rule-d128 kernels-rule-d64 kernels-rule (the fewest-waves rule 1.16x the former), and
-# with TRITON_PTXAS_PATH at a CUDA 13 ptxas: tests-kv8 (no fault: wrong results), rank.
-# (ptxas: the static report, done on any machine with the wheel's ptxas.)
-# `kernels` (and `kernels-rule`) only join the parts' JSON that are there (no GPU work): run them afterwards on any
-# machine, with the parts' files in OUT.
-#
-# Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128
-# kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits
-# kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
-# rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
-# profile-graphs-hopper ncu ncu-hopper
-# ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
-# part of tests-hopper, by default;
-# about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
-# the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
-# (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
-# inference shape (8 layers, 4 heads x 256, bf16, 4096 tokens of which 3968 cached, 256 candidates).
-# Needs torch with CUDA, triton, pybind11, cmake and ninja already installed: no network is used (the package is
-# installed with --no-build-isolation --no-deps). Each step writes its output to OUT_DIR as soon as it finishes, with
-# a header naming the device, date and commit, so a run cut short keeps what
-# it finished. Steps that fail are listed at the end; the script exits non-zero if any did.
+# Every check a CUDA machine should run, in one command: CUDA tests, kernel and engine benchmarks, static reports.
+#   bash benchmarks/run_gpu.sh [OUT_DIR]   OUT_DIR default benchmarks/results/gpu-<date>; steps default: all but
+#                                          slo-seeds, tiers-8k, tests-hopper-twin (20-30 min on an H100: compiles)
+#   STEPS="rank kernels-splits" bash benchmarks/run_gpu.sh OUT_DIR     (a subset, in the order STEPS names them)
+# Needs torch with CUDA, triton, pybind11, cmake, ninja installed; no network (pip --no-build-isolation --no-deps).
+# Env: STEPS: the steps, in order (an unknown name stops the script before anything runs). DEADLINE_S: seconds from
+#   the start (install included) after which no step starts; a step needs MIN_STEP_S (default 30) left and its limit
+#   is cut to what is left. ARCHIVE: a .tgz that OUT_DIR is packed into at exit. RELAYGR_COMMIT: the commit in every
+#   header (else git rev-parse). SLO_SEEDS (default 0,1,2), SLO_ARGS: slo-seeds' seeds and extra options.
+# Output: OUT_DIR/<step>.txt under a device/date/commit header as each step ends; OUT_DIR/steps.tsv: seconds, exit
+#   status or "not run"; failed steps listed at the end (exit 1). Steps, ~seconds measured on H100/H200 or <=limit:
+#   env ~12: versions, GPU, sm_90 ptxas | tests-gpu ~190: pytest -m gpu | tests-cuda ~540: the whole suite
+#   tests-hopper-twin ~30, tests-hopper ~100: sm_90 kernel vs its twin, vs the reference | sync <=120: device syncs
+#   tests-kv8 ~60, sanitize-kv8 <=300: 8-bit CUDA tests with the kernel's read on, plain / under compute-sanitizer
+#   kernels-d64|d128|d256 ~100 each, kernels (join, no GPU): bench kernels | kernels-rule-*: ~115, rule auto vs fill
+#   kernels-splits ~30, kernels-split-dtype ~30, kernels-vsplits-rank <=300: one ranking layer at NVIDIA's shape
+#   kernels-vsplits <=600, kernels-persistent <=600, kernels-fp8|int8 <=900 (8-bit pages) | ptxas <=900: static
+#   kernels-hopper ~100, kernels-hopper-softmax <=500, kernels-hopper-rank ~75, rank-hopper ~30: the sm_90 kernel
+#   rank ~40, rank-compile <=420: bench rank, NVIDIA's shape; rank-small <=300 | host ~13: a replay's host work
+#   profile <=300, profile-graphs ~30, profile-graphs-hopper ~30 | ncu ~50, ncu-hopper, ncu-kernel <=300: Nsight
+#   tiers <=600, tiers-8k ~26: DRAM onload | slo, slo-graphs <=600: small model | slo-seeds <=7200: NVIDIA's shape
+# Plan for the next GPU run and what ran where: benchmarks/results/gpu-h100-2026-11-27/README.md, results/README.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-benchmarks/results/gpu-$(date -u +%F)}
