@@ -19,8 +19,8 @@ call and after it (a ranking returns its scores on the device without waiting fo
 the graphed cached ranking runs ``--repeats`` times back to back (:func:`back_to_back_ms`), twice:
 ``graph_cached_b2b_wait_ms`` synchronises after each call (a warm ranking's latency, nothing else run between), and
 ``graph_cached_b2b_ms`` only after the last, so each ranking's host work overlaps the previous one's GPU work (a
-stream of rankings' time per ranking, as ``benchmarks/tools/profile_rank.py`` timed it: on an H100, 2026-11-25, run 3,
-that took 1.18 ms per ranking where the interleaved runs' median latency was 2.18 ms). With ``--compile`` every path
+stream of rankings' time per ranking, not a latency: the three differ, e.g. 1.30, 1.14 and 0.80 ms at NVIDIA's shape;
+measured: ``benchmarks/results/gpu-h100-2026-11-26/``). With ``--compile`` every path
 runs the whole model compiled (``torch.compile(fullgraph=True, dynamic=True)``: the engines with
 ``compile_model=True``, ``full`` through the compiled dense forward); the warm-up compiles and is not timed. NVIDIA's
 shape with both::

@@ -16,12 +16,12 @@ one warp group of 64 rows and one loader warp:
 - the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), turns the
   scores into weights, multiplies them by V into its fp32 accumulator, and frees each buffer once its product is
   done, without a CTA barrier: two or three programs on one SM (``maxnreg`` sized for it) interleave their
-  tensor-core and special-function phases. HSTU's loop also overlaps within the warp group (FlashAttention-3's
-  order): block ``i + 1``'s QK product is issued before block ``i``'s SiLU and runs on the tensor cores while it is
-  computed, and block ``i``'s P.V product runs on into the next block's (HSTU's accumulator is a plain sum: no
-  rescale has to wait for it). K's buffers free as soon as their QK product is done, V's after their P.V product,
-  so two stages of each suffice: K of block ``i + 1`` needs only the buffer of block ``i - 1``, freed one block
-  earlier. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
+  tensor-core and special-function phases. On request (:func:`overlaps`) HSTU's loop also overlaps within the warp
+  group (FlashAttention-3's order): block ``i + 1``'s QK product is issued before block ``i``'s SiLU and runs on
+  the tensor cores while it is computed, and block ``i``'s P.V product runs on into the next block's (HSTU's
+  accumulator is a plain sum: no rescale has to wait for it). K's buffers free as soon as their QK product is done,
+  V's after their P.V product, so two stages of each suffice: K of block ``i + 1`` needs only the buffer of block
+  ``i - 1``, freed one block earlier. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
   FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score; the accumulator rescaled in
   registers only when a row's running max grows by a factor of more than 2^8).
 
@@ -33,6 +33,10 @@ kernel's programs write slots ``0 .. S-1``, one split each; the two launches sha
 
 Gluon has no CPU interpreter: the kernel is compiled for sm_90 offline in the tests (registers, spills, shared
 memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper.py``).
+
+Opt-in (:mod:`relaygr_engine.kernels._hopper_launch`): right on an H100 and an H200, but not faster than the
+portable kernel in a ranking (measured: ``benchmarks/results/gpu-h100-2026-11-26/``,
+``benchmarks/results/gpu-h100-2026-11-26b/``).
 """
 from __future__ import annotations
 
@@ -383,8 +387,8 @@ CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
 def overlaps(head_dim: int, hstu: bool, setting: Optional[bool] = None) -> bool:
     """Whether a launch runs HSTU's overlapped key loop (the ``OVERLAP`` constexpr): only where ``setting`` is
     True, from head dim :data:`OVERLAP_FROM` on (below, it spills: refused); never for softmax. By default (None)
-    the sequential loop, one block after the other: on an H200 the overlapped loop was right but 14% slower
-    (``benchmarks/results/gpu-h200-2026-11-26/``)."""
+    the sequential loop, one block after the other, the faster: the overlapped loop is right but 14% slower in a
+    ranking layer (measured: ``benchmarks/results/gpu-h200-2026-11-26/``)."""
     if setting and head_dim < OVERLAP_FROM:
         raise ValueError(f"the overlapped HSTU loop needs head dim >= {OVERLAP_FROM}, got {head_dim}")
     return hstu and bool(setting)

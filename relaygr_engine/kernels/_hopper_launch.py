@@ -2,10 +2,12 @@
 the portable kernel's, and a pure-torch twin of what it writes (its offline compile for sm_90:
 :mod:`benchmarks.tools.ptxas_hopper`).
 
-It is opt-in while it has not run on a GPU: ``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming
-why where it cannot run) or ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere). Where
-its compile or launch raises, it is off for the rest of the process (logged once, :func:`why_not` says why), and
-a call that had not asked for it explicitly runs again on the portable kernel alone (:func:`falls_back`).
+It is opt-in, right on an H100 and an H200 but not faster than the portable kernel in a ranking (measured:
+``benchmarks/results/gpu-h100-2026-11-26/``, ``benchmarks/results/gpu-h100-2026-11-26b/``):
+``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming why where it cannot run) or
+``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere). Where its compile or launch raises,
+it is off for the rest of the process (logged once, :func:`why_not` says why), and a call that had not asked for it
+explicitly runs again on the portable kernel alone (:func:`falls_back`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
 # ``RELAYGR_HOPPER_OVERLAP=1``: HSTU's overlapped key loop where it applies, from head dim 128 (FlashAttention-3's
-# order; slower than the sequential default on an H200, 2026-11-26: kept to time it on other chips and Tritons).
+# order; right, but 14% slower than the sequential default in a ranking layer, measured:
+# benchmarks/results/gpu-h200-2026-11-26/; kept to time it on other chips and Tritons).
 OVERLAP_ENV = "RELAYGR_HOPPER_OVERLAP"
 # HSTU's key loop: None the default (sequential, _hopper.overlaps), True overlapped, False sequential; see overlap()
 _overlap: Optional[bool] = True if env_flag(OVERLAP_ENV) else None

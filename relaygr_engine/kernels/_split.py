@@ -41,10 +41,11 @@ OVERHEAD_KEYS = 3 * 128 / 2
 def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Optional[int] = None, *,
                 interpreted: bool = False) -> int:
     """Programs per (tile, head): ``splits`` when given (checked), else on CUDA the count of :func:`least_waves`
-    for ``num_work`` (tile, head) pairs, one program per SM (an 8-warp config fills an SM's registers; Nsight
-    Compute, 2026-11-26b) and a 128-row tile's fixed traffic (:data:`OVERHEAD_KEYS`): splits are added where they
-    cut the time of the launch's last wave, not to fill a count of programs; a batch whose users have few keys is
-    never split; 1 elsewhere (and in the interpreter). :func:`fill_splits` is the rule this replaced."""
+    for ``num_work`` (tile, head) pairs, one program per SM (an 8-warp config fills an SM's registers; measured:
+    ``benchmarks/results/gpu-h100-2026-11-26b/``) and a 128-row tile's fixed traffic (:data:`OVERHEAD_KEYS`): splits
+    are added where they cut the time of the launch's last wave, not to fill a count of programs; a batch whose users
+    have few keys is never split; 1 elsewhere (and in the interpreter). :func:`fill_splits` is the former rule, 1.16x
+    slower over the bench's shapes (measured: ``benchmarks/results/gpu-h100-2026-11-27/``)."""
     if splits is not None:
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
@@ -72,9 +73,9 @@ def most_splits(max_keys: int) -> int:
 
 
 def fill_splits(device: torch.device, num_work: int, max_keys: int) -> int:
-    """The split rule before :func:`least_waves` (``relaygr bench kernels --splits fill`` times it beside the
-    default): on CUDA about two programs per SM where ``num_work`` (tile, head) pairs leave SMs idle, at least
-    :data:`MIN_SPLIT_KEYS` keys each; 1 elsewhere."""
+    """The former split rule, kept for comparison (``relaygr bench kernels --splits fill`` times it beside the
+    default, :func:`least_waves`): on CUDA about two programs per SM where ``num_work`` (tile, head) pairs leave SMs
+    idle, at least :data:`MIN_SPLIT_KEYS` keys each; 1 elsewhere."""
     cores = C.num_cores(device) if device.type == "cuda" else 0
     if num_work <= 0 or num_work >= cores:
         return 1
