@@ -190,13 +190,13 @@ def test_tile_heights_taken_are_one_or_two_of_the_kernels_programs():
 
 
 def test_why_not_names_what_keeps_a_call_off_the_hopper_kernel(monkeypatch):
-    cache = torch.zeros(4, 2, 64, 4, 256, dtype=torch.bfloat16)
     ok = dict(device=torch.device("cuda"), dtype=torch.bfloat16, quantized=False, head_dim=256,
-              page_size=64, block_m=128, kv_cache=cache, persistent=False, value_splits=None, fixed_block_n=None)
+              page_size=64, block_m=128, aligned=True, num_pages=4, persistent=False, value_splits=None,
+              fixed_block_n=None)
     assert "CUDA device" in HL.why_not(**dict(ok, device=torch.device("cpu")))
-    monkeypatch.setattr(HL, "_capability", lambda index: (10, 0))
+    monkeypatch.setattr(HL, "capability", lambda device: (10, 0))
     assert "sm_90" in HL.why_not(**ok)
-    monkeypatch.setattr(HL, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(HL, "capability", lambda device: (9, 0))
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     assert HL.why_not(**ok) is None
     monkeypatch.setattr(HL, "_failed", "RuntimeError: boom")

@@ -30,9 +30,9 @@ def test_fast_silu_form_is_exact_with_an_exact_tanh(monkeypatch):
     table, in the kernel's own bias terms and in a candidate's self term) gives the reference's result when its
     PTX tanh is swapped for an exact one: every bias path (table, in-kernel, split) agrees within 1e-4. A wrong tanh
     fails it, so the fast form is the one that ran."""
-    from relaygr_engine.kernels import _prefix_blocks as K, prefix_attention as pa
+    from relaygr_engine.kernels import _launch, _prefix_blocks as K
 
-    monkeypatch.setattr(pa, "_fast_silu", lambda device, dtype: True)
+    monkeypatch.setattr(_launch, "fast_silu", lambda device, dtype: True)
     args, bias = make_problem([(45, 20, 9), (16, 3, 0), (0, 7, 5)], 16, 2, 32, seed=5)
     kw = attention_kwargs("hstu", bias, 32)
     monkeypatch.setattr(K, "_tanh_approx", _tanh_exact)
@@ -53,14 +53,14 @@ def test_page_reads_through_a_tensor_descriptor_match_pointer_reads(mode, monkey
     page_size, H * D]``), a user's masked last block through pointers; the result is the reference's within 1e-4,
     with one or several key blocks per page, split or not. A descriptor over zeroed pages changes it, so the
     descriptor is what the full blocks read."""
-    from relaygr_engine.kernels import _prefix_config as K, prefix_attention as pa
+    from relaygr_engine.kernels import _launch, _prefix_config as K, prefix_attention as pa
 
     users = [(100, 5, 7), (64, 0, 3), (0, 9, 2), (33, 4, 0)]
     args, bias = make_problem(users, 32, 2, 32, seed=3)
     kw = attention_kwargs(mode, bias, 32)
     seen = []
-    real = K.page_reads
-    monkeypatch.setattr(pa, "pick_page_reads", lambda *a, **k: seen.append(real(*a, **k)[0]) or real(*a, **k))
+    real = _launch.page_read_mode
+    monkeypatch.setattr(_launch, "page_read_mode", lambda *a, **k: seen.append(real(*a, **k)[0]) or real(*a, **k))
     for block_n, splits in ((16, 1), (32, 1), (16, 3)):
         check_attention(args, kw, persistent=splits > 1, block_m=16, block_n=block_n, splits=splits,
                         page_reads="tma")
@@ -68,10 +68,12 @@ def test_page_reads_through_a_tensor_descriptor_match_pointer_reads(mode, monkey
     check_attention(args, kw, persistent=False, block_m=16, block_n=16)  # auto: pointers in the interpreter
     assert seen[-1] == K.TMA_OFF
 
-    def zeroed(choice, kv_cache, **k):
-        return real(choice, torch.zeros_like(kv_cache), **k)
+    descriptor = pa.kv_descriptor
 
-    monkeypatch.setattr(pa, "pick_page_reads", zeroed)
+    def zeroed(kv_cache, *a, **k):
+        return descriptor(torch.zeros_like(kv_cache), *a, **k)
+
+    monkeypatch.setattr(pa, "kv_descriptor", zeroed)
     with pytest.raises(AssertionError):
         check_attention(args, kw, persistent=False, block_m=16, block_n=16, page_reads="tma")
 
@@ -299,7 +301,7 @@ def test_split_partials_in_16_bits_match_the_reference(mode):
 def test_split_dtype_refuses_what_cannot_run(monkeypatch):
     """Named, with what it takes, before any launch: a dtype other than fp32/fp16/bf16, bf16 in the CPU
     interpreter, and more rows of split partials than the kernel's int32 row index reaches."""
-    from relaygr_engine.kernels import prefix_attention as pa
+    from relaygr_engine.kernels import _prefix_plan
 
     args, _ = make_problem([(40, 2, 3)], 16, 2, 32)
     kw = dict(mode="softmax", scale=0.1, splits=2)
@@ -311,7 +313,7 @@ def test_split_dtype_refuses_what_cannot_run(monkeypatch):
                                          r"no bf16\)"):
         prefix_attention(**args, **kw, split_dtype=torch.bfloat16)
     rows = args["q"].shape[0]
-    monkeypatch.setattr(pa, "schedule", lambda plan, *a, **k: (2 ** 31 // (2 * rows) + 1, 64, False))
+    monkeypatch.setattr(_prefix_plan, "schedule", lambda plan, *a, **k: (2 ** 31 // (2 * rows) + 1, 64, False))
     with pytest.raises(ValueError, match=r"rows of split partials, at most 2\*\*31 - 1: ask for fewer splits"):
         prefix_attention(**args, **kw)
 

@@ -15,6 +15,7 @@ commands:
   bench NAME [...]    a benchmark: {benchmarks}
   calibrate [...]     measure the latency profile the trigger uses
   demo [...]          the main job: relay-race vs full inference under a P99 SLO on a real-log workload
+  explain [...]       what a ranking's attention runs for a model shape, and why (here or on a named GPU)
   serve [...]         Ray Serve replicas with relay engines
   workload [...]      fit a workload profile from a log, or describe one
 
@@ -24,6 +25,7 @@ relaygr COMMAND --help (relaygr bench NAME --help) lists a command's options."""
 _COMMANDS = {
     "calibrate": "relaygr_engine.policy.calibration",
     "demo": "relaygr_engine.bench.demo",
+    "explain": "relaygr_engine.attention.explain",
     "serve": "relaygr_engine.serving.cli",
     "workload": "relaygr_engine.workload.build",
 }

@@ -125,6 +125,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
     from relaygr_engine.config import KVDtype
     from relaygr_engine.kernels import _common as C
     from relaygr_engine.kernels import prefix_attention as pa
+    from relaygr_engine.kernels._launch import fast_silu
 
     hstu = mode == "hstu"
     biased = hstu and bias
@@ -136,7 +137,7 @@ def compile_attention(mode: str, head_dim: int, block_m: int, block_n: int, *, n
                       HIST_TABLE=biased and hist_table and not cand_tiles,
                       DOT_PRECISION=None if dtype != "fp32" else "ieee", PERSISTENT=persistent, SPLIT=split,
                       KV8=KVDtype(kv_dtype).quantized,
-                      FAST_SILU=hstu and pa._fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
+                      FAST_SILU=hstu and fast_silu(torch.device("cuda"), torch_dtype(dtype)), TMA=tma,
                       TMA_READS=int(tma), V_SPLITS=v_splits, V_SPLITS_PICK=v_splits, M_SPLITS=m_splits,
                       SKIP_FULL=0)
     types = attention_types("*" + dtype)

@@ -21,7 +21,7 @@ from .._host import ship, to_device
 from ..config import AttentionMode, KVDtype, TimeBucket
 from .time_buckets import time_buckets
 
-__all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "compiled_core",
+__all__ = ["MAX_PADDED_SCORES", "MAX_ROWS_X_KEYS", "TorchPlan", "build_torch_plan", "fits", "compiled_core",
            "planned_attention"]
 
 # Largest padded score tensor (users x heads x rows x keys) the plan path materialises; larger batches (long
@@ -131,6 +131,14 @@ def _mask_values(device: torch.device) -> torch.Tensor:
     return torch.tensor([0.0, -_MASK_BIG], device=device)
 
 
+def fits(rows: Sequence[int], prefix_lens: Sequence[int], num_heads: int) -> bool:
+    """Whether a batch (each user's rows and cached tokens) takes the plan path: some rows, at most
+    :data:`MAX_ROWS_X_KEYS` padded (row, key) pairs per user and :data:`MAX_PADDED_SCORES` padded scores."""
+    M = max(rows, default=0)
+    K = max((p + m for p, m in zip(prefix_lens, rows)), default=0)
+    return bool(len(rows) and M and M * K <= MAX_ROWS_X_KEYS and len(rows) * num_heads * M * K <= MAX_PADDED_SCORES)
+
+
 def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_lens: Sequence[int],
                      prefix_pages: Sequence[np.ndarray], page_size: int, num_heads: int, device: torch.device,
                      ts_rows: Optional[torch.Tensor] = None, ts_cache: Optional[torch.Tensor] = None,
@@ -150,11 +158,10 @@ def build_torch_plan(rows: Sequence[int], num_candidates: Sequence[int], prefix_
         An 8-bit cache: slots of a page's K (or V) section in the layer tensor (``page_size`` value rows, then the
         scales), and the head dim; the plan then also indexes the rows' scales (``scale_rows``).
     """
-    B = len(rows)
-    M = max(rows, default=0)
-    K = max((p + m for p, m in zip(prefix_lens, rows)), default=0)
-    if B == 0 or M == 0 or M * K > MAX_ROWS_X_KEYS or B * num_heads * M * K > MAX_PADDED_SCORES:
+    if not fits(rows, prefix_lens, num_heads):
         return None
+    B, M = len(rows), max(rows)
+    K = max(p + m for p, m in zip(prefix_lens, rows))
     mPC = np.array([rows, prefix_lens, num_candidates], np.int64)                            # [3, B]: one copy
     m, P = mPC[0][:, None], mPC[1][:, None]                                                   # [B, 1]
     n = m - mPC[2][:, None]                                                                   # history rows

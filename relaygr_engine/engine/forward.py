@@ -15,7 +15,7 @@ from ..attention.torch_plan import build_torch_plan
 from ..attention.ops import _resolve_backend, plan_paged_attention
 from .compiled import ModelCaller
 from .graphs import GraphRunner
-from .layout import check_scores, page_layout, split_scores
+from .layout import check_scores, log_plan, page_layout, split_scores
 from .records import Job
 from .timing import LazyTimer
 from .tiers import CacheState
@@ -113,6 +113,15 @@ class ForwardRunner:
         with paged_context(batch, paged, self.layers):
             scores = self.model(batch)
         check_scores(scores, batch.num_candidate_rows)
+        log_plan(lambda: ("eager", len(jobs), *(_pow2(n) for n in (len(batch), batch.num_candidate_rows,
+                                                                   max(j.start for j in jobs)))), paged, cache,
+                 lambda: dict(users=len(jobs), rows=len(batch), candidates=batch.num_candidate_rows,
+                              cached=max(j.start for j in jobs)))
         if writes and timed:
             cache.timestamps[paged.write_pages, paged.write_slots] = batch.timestamps[paged.write_rows]
         return split_scores(scores, batch.candidates_per_user)
+
+
+def _pow2(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0): the size class a batch's plan is logged once for."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()

@@ -46,7 +46,7 @@ from ..batch import RelayBatch, RequestRows, build_device, gather_rows, structur
 from ..config import AttentionBackend, GraphConfig
 from ..attention.context import PagedState, paged_context
 from ..kernels._common import cdiv, tile_arrays
-from .layout import check_scores, page_layout, split_scores
+from .layout import check_scores, log_plan, page_layout, split_scores
 from .records import Job
 from .tiers import CacheState
 
@@ -191,7 +191,11 @@ class GraphRunner:
                 c.prefill_graph_replays += 1
         else:
             try:
-                scores = self._forward(b, *self._static(b))[:C]
+                batch, paged = self._static(b)
+                scores = self._forward(b, batch, paged)[:C]
+                log_plan(lambda: ("graph", b.key), paged, self.state.cache, lambda: dict(
+                    users=b.key.users, history_rows=b.key.history_rows, candidates=b.key.candidates,
+                    prefix=b.key.prefix, bucket="CUDA graph"))
             except HostLayoutRead as exc:
                 self._disable(f"the model reads the batch's host layout ({exc})")
                 return None

@@ -5,6 +5,7 @@ Shared by the eager forward (:mod:`relaygr_engine.engine.forward`) and the CUDA-
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -13,7 +14,9 @@ import torch
 
 from .records import Job
 
-__all__ = ["PageLayout", "check_scores", "page_layout", "split_scores"]
+_log = logging.getLogger("relaygr_engine")
+
+__all__ = ["PageLayout", "check_scores", "log_plan", "page_layout", "split_scores"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,16 @@ def split_scores(scores: torch.Tensor, candidates_per_user: Sequence[int]) -> li
         out.append(scores[c0:c0 + C_b] if C_b else None)
         c0 += C_b
     return out
+
+
+def log_plan(key, paged, cache, shape) -> None:
+    """Log at INFO, once per ``key()`` (a batch's size class or graph bucket) in the process, what the forward over
+    ``paged`` ran: backend, path and kernel decisions (:func:`relaygr_engine.attention.plan.of_forward`; ``shape()``
+    what the plan says of the batch). Nothing is built while the ``relaygr_engine`` logger is below INFO."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    from ..attention.plan import log_once, of_forward
+
+    log_once(key(), lambda: of_forward(paged, cache.device, cache.dtype, dict(
+        shape(), heads=cache.num_heads, head_dim=cache.head_dim, page_size=cache.page_size,
+        kv_dtype=cache.kv_dtype.value), cache.config.attention_backend))

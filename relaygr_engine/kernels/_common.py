@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..config import SHORT_DTYPE_NAMES, env_flag
+from ._target import Target
 
 _log = logging.getLogger("relaygr_engine")
 
@@ -154,9 +155,31 @@ def _device_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
-def num_cores(device: torch.device) -> int:
-    """Cores of ``device``: SMs (CUDA), AI cores (NPU), :data:`INTERPRETER_PROGRAMS` on the CPU."""
+def num_cores(device) -> int:
+    """Cores of ``device`` (a ``torch.device`` or a :class:`~relaygr_engine.kernels._target.Target`): SMs (CUDA),
+    AI cores (NPU), :data:`INTERPRETER_PROGRAMS` on the CPU."""
+    if isinstance(device, Target):
+        return device.cores
     return _num_cores(device.type, _device_index(device))
+
+
+def target_of(device) -> Target:
+    """The :class:`~relaygr_engine.kernels._target.Target` of ``device`` (a ``torch.device``; a Target is returned
+    as is): what the launch rules read of it, once per device."""
+    if isinstance(device, Target):
+        return device
+    device = torch.device(device)
+    return _target_of(device.type, _device_index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _target_of(device_type: str, index: int) -> Target:
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(index)
+        return Target("cuda", f"{props.name} ({props.multi_processor_count} SMs, sm_{props.major}{props.minor})",
+                      props.multi_processor_count, (props.major, props.minor))
+    name = "cpu" if device_type == "cpu" else device_type
+    return Target(device_type, name, _num_cores(device_type, index))
 
 
 def num_programs(device: torch.device, num_work: int, persistent: bool) -> int:

@@ -21,7 +21,7 @@ import torch
 from .._warn import warn_once
 from ..config import env_flag
 from . import _common as C
-from ._prefix_config import _capability
+from ._target import capability
 
 __all__ = ["ENV", "LaunchError", "falls_back", "fail", "requested", "pages_fit", "takes", "why_not", "key_block",
            "block_n", "programs_per_split", "pick_splits", "clear_slot", "launch", "emulate", "state"]
@@ -102,20 +102,21 @@ def takes(block_m: int) -> bool:
     return block_m in (64, 128)
 
 
-def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_dim: int, page_size: int,
-            block_m: int, kv_cache: torch.Tensor, persistent: bool, value_splits, fixed_block_n) -> Optional[str]:
+def why_not(*, device, dtype: torch.dtype, quantized: bool, head_dim: int, page_size: int, block_m: int,
+            aligned: bool, num_pages: int, persistent: bool, value_splits, fixed_block_n) -> Optional[str]:
     """Why a call cannot run the Hopper kernel (None: it can): it takes tiles of 64 or 128 rows (``block_m``: the
     candidate tiles'; history tiles of another height stay on the portable kernel), HSTU or softmax, in bf16/fp16
     on an sm_90 GPU, pages in the model's dtype at head dim 64, 128 or 256, a page a whole number of its key
     blocks, one program per tile (no persistent grid, value splits or fixed key block), unless it failed earlier in
-    this process."""
+    this process. ``device``: a ``torch.device`` or a :class:`~relaygr_engine.kernels._target.Target`;
+    ``aligned``: the cache's data starts 16-byte aligned; ``num_pages``: its pages."""
     from ._hopper import CONFIGS
 
     if _failed is not None:
         return f"it failed earlier in this process ({_failed})"
     if device.type != "cuda":
         return f"needs a CUDA device, got {device}"
-    if _capability(device.index)[0] != 9:  # (read once per device)
+    if capability(device)[0] != 9:  # (read once per device)
         return "needs an sm_90 GPU (Hopper's wgmma)"
     try:
         import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
@@ -128,8 +129,8 @@ def why_not(*, device: torch.device, dtype: torch.dtype, quantized: bool, head_d
                 (bn > 0 and not pages_fit(page_size, bn),
                  f"page_size must be a multiple or a divisor >= 8 of the key block ({bn}), got {page_size}"),
                 (not takes(block_m), f"candidate tiles of 64 or 128 rows, got {block_m}"),
-                (kv_cache.data_ptr() % 16 != 0, "kv_cache's data must start 16-byte aligned"),
-                (kv_cache.shape[0] * 2 * page_size >= 2 ** 31, "more K/V rows than int32 coordinates reach"),
+                (not aligned, "kv_cache's data must start 16-byte aligned"),
+                (num_pages * 2 * page_size >= 2 ** 31, "more K/V rows than int32 coordinates reach"),
                 (persistent, "no persistent grid"),
                 ((value_splits or 1) > 1, "no value splits"),
                 (fixed_block_n is not None, "no fixed block_n")]

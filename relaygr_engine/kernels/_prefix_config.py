@@ -2,7 +2,6 @@
 device and kind of tile, the CUDA autotune set and its pruning, the autotuned kernel."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -14,6 +13,7 @@ from . import _autotune_store
 from ._bias_table import rows_fit
 from ._compile import precompiling
 from ._prefix_kernel import prefix_attention_kernel
+from ._target import capability
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,44 @@ def pick_config(device, dtype, head_dim: int, block_m: Optional[int] = None, blo
                         hist_fallback_m=CUDA_HIST_BLOCK_M if wide else None)
 
 
+def page_read_mode(choice: PageReads, device, *, kv_dtype: KVDtype, head_dim: int, page_size: int,
+                   block_n: Optional[int], aligned: bool, num_pages: int) -> tuple[int, str]:
+    """How a launch reads full key blocks (``TMA_READS``) and why: the rule of :func:`page_reads`, without the
+    cache tensor (``aligned``: its data starts 16-byte aligned; ``num_pages``: its pages), so a plan can say it for
+    a device that is not here (``device``: a ``torch.device`` or a
+    :class:`~relaygr_engine.kernels._target.Target`). ``ValueError`` for ``tma`` where it cannot run."""
+    key_block = block_n or TMA_MIN_BLOCK_N
+    rows = num_pages * 2 * page_size
+    if choice is PageReads.POINTERS:
+        return TMA_OFF, "pointers, as asked"
+    why = None
+    if kv_dtype.quantized:
+        why = f"kv_dtype={kv_dtype.value!r} pages are read through pointers"
+    elif head_dim < 16 or head_dim & (head_dim - 1):
+        why = f"the head dim must be a power of two >= 16, got {head_dim}"
+    elif not aligned:
+        why = "kv_cache's data must start 16-byte aligned"
+    elif page_size % key_block:
+        why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
+    elif rows >= 1 << 31:
+        why = f"the pages hold {rows} K/V rows, more than a descriptor's int32 coordinates reach"
+    elif device.type == "cuda" and not tma_device(device):
+        why = f"needs sm_90 or later, got sm_{''.join(map(str, capability(device)))}"
+    elif device.type not in ("cuda", "cpu"):
+        why = f"not on {device.type}"
+    if choice is PageReads.AUTO:
+        if why is not None:
+            return TMA_OFF, f"pointers: TMA {why}"
+        if device.type != "cuda":
+            return TMA_OFF, "pointers: TMA reads are autotuned on CUDA only"
+        if block_n is not None:
+            return TMA_OFF, "pointers: a fixed block_n is not autotuned"
+        return TMA_EITHER, "autotuned: pointers or TMA (sm_90+, a key block within a page)"
+    if why is not None:
+        raise ValueError(f"page_reads='tma': {why}")
+    return TMA_ONLY, "TMA, as asked"
+
+
 def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, page_size: int,
                block_n: Optional[int]) -> tuple[int, object]:
     """How a launch reads full key blocks: ``(TMA_READS, kv_desc)``, the descriptor (None without TMA) viewing
@@ -218,50 +256,29 @@ def page_reads(choice: PageReads, kv_cache: torch.Tensor, *, kv_dtype: KVDtype, 
     pages, a head dim not a power of two, a cache not 16-byte aligned, a page not a whole number of key blocks, a
     GPU before sm_90 (the interpreter runs it, for tests). ``kv_cache`` is contiguous (the launcher checks it)."""
     num_pages, _, _, heads, head_dim = kv_cache.shape
-    device = kv_cache.device
-    key_block = block_n or TMA_MIN_BLOCK_N
-    rows = num_pages * 2 * page_size
-    why = None
-    if choice is PageReads.POINTERS:
+    reads, _ = page_read_mode(choice, kv_cache.device, kv_dtype=kv_dtype, head_dim=head_dim, page_size=page_size,
+                              block_n=block_n, aligned=kv_cache.data_ptr() % 16 == 0, num_pages=num_pages)
+    if reads == TMA_OFF:
         return TMA_OFF, None
-    if kv_dtype.quantized:
-        why = f"kv_dtype={kv_dtype.value!r} pages are read through pointers"
-    elif head_dim < 16 or head_dim & (head_dim - 1):
-        why = f"the head dim must be a power of two >= 16, got {head_dim}"
-    elif kv_cache.data_ptr() % 16:
-        why = "kv_cache's data must start 16-byte aligned"
-    elif page_size % key_block:
-        why = f"page_size must be a multiple of the key block ({key_block}), got {page_size}"
-    elif rows >= 1 << 31:
-        why = f"the pages hold {rows} K/V rows, more than a descriptor's int32 coordinates reach"
-    elif device.type == "cuda" and not tma_device(device):
-        why = f"needs sm_90 or later, got sm_{''.join(map(str, _capability(device.index)))}"
-    elif device.type not in ("cuda", "cpu"):
-        why = f"not on {device.type}"
-    if choice is PageReads.AUTO:
-        if why is not None or device.type != "cuda" or block_n is not None:
-            return TMA_OFF, None
-        reads = TMA_EITHER
-    elif why is not None:
-        raise ValueError(f"page_reads='tma': {why}")
-    else:
-        reads = TMA_ONLY
+    return reads, kv_descriptor(kv_cache, page_size, block_n)
+
+
+def kv_descriptor(kv_cache: torch.Tensor, page_size: int, block_n: Optional[int]):
+    """The tensor descriptor TMA page reads load full key blocks through: ``kv_cache [num_pages, 2, slots, H, D]``
+    viewed as rows ``[num_pages * 2 * page_size, H * D]``, a block ``[block_n, D]`` (autotuned: the narrowest TMA
+    block, which the autotuner's pre-hook widens to its config's)."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # (not every Triton build has it: imported here)
 
-    desc = TensorDescriptor(kv_cache.view(rows, heads * head_dim), [rows, heads * head_dim], [heads * head_dim, 1],
-                            [key_block, head_dim])
-    return reads, desc
+    num_pages, _, _, heads, head_dim = kv_cache.shape
+    rows = num_pages * 2 * page_size
+    return TensorDescriptor(kv_cache.view(rows, heads * head_dim), [rows, heads * head_dim], [heads * head_dim, 1],
+                            [block_n or TMA_MIN_BLOCK_N, head_dim])
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: Optional[int]) -> tuple[int, int]:
-    """The compute capability of CUDA device ``index`` (None: the current one), read once per device."""
-    return torch.cuda.get_device_capability(index)
-
-
-def tma_device(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA GPU that runs tensor-descriptor (TMA) page reads: sm_90 or later."""
-    return device.type == "cuda" and _capability(device.index)[0] >= 9
+def tma_device(device) -> bool:
+    """Whether ``device`` (a ``torch.device`` or a :class:`~relaygr_engine.kernels._target.Target`) is a CUDA GPU
+    that runs tensor-descriptor (TMA) page reads: sm_90 or later."""
+    return device.type == "cuda" and capability(device)[0] >= 9
 
 
 def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_key_len: int) -> int:

@@ -51,6 +51,8 @@ class PrefixAttentionPlan:
         and the later layers' calls, given the same timestamp tensors (the same objects), build their tables from
         it with two gathers per entry. Timestamps changed in place between calls that share a plan are not seen:
         a batch's plan serves that batch. None: every call computes its table from the timestamps.
+    launches : dict
+        The launch decisions made for this batch, per layer signature (:meth:`launch`).
     """
 
     block_m: int
@@ -65,6 +67,7 @@ class PrefixAttentionPlan:
     num_cached: int
     max_context_len: int = 0
     bias_index: Optional[dict] = field(default=None, compare=False, repr=False)
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tiles(self) -> int:
@@ -73,6 +76,14 @@ class PrefixAttentionPlan:
     @property
     def device(self) -> torch.device:
         return self.hist_tiles.device
+
+    def launch(self, key: tuple, decide):
+        """The launch decisions (:class:`~relaygr_engine.kernels._launch.Launch`) of the calls on this batch with
+        layer signature ``key``: ``decide()``'s, made once per signature (the layers of a forward share one)."""
+        got = self.launches.get(key)
+        if got is None:
+            got = self.launches[key] = decide()
+        return got
 
 
 def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device) -> PrefixAttentionPlan:
@@ -163,18 +174,23 @@ def check_plan(plan, *, batch: int, total_q: int, page_size: int, num_pages: int
 
 def schedule(plan: PrefixAttentionPlan, device: torch.device, num_heads: int, *, block_n: Optional[int] = None,
              splits: Optional[int] = None, value_splits: Optional[int] = None,
-             concurrent_tiles: Optional[bool] = None, hopper_dim: int = 0) -> tuple[int, int, bool]:
+             concurrent_tiles: Optional[bool] = None, hopper_dim: int = 0,
+             interpreted: Optional[bool] = None) -> tuple[int, int, bool]:
     """How a call runs ``plan``'s tiles: ``(num_splits, split_len, concurrent)``, the prefix splits of each
     (tile, head) and their keys (:func:`~relaygr_engine.kernels._split.split_layout`; a caller's value splits
     count as programs, the autotuner's are not known here), and whether the launches run on two streams
     (:func:`_concurrent`). ``hopper_dim``: the head dim where the sm_90 kernel takes the full blocks (0: it does
     not): its own split count (:func:`~relaygr_engine.kernels._hopper_launch.pick_splits`), and the portable
-    kernel's share on the side stream unless ``concurrent_tiles=False``."""
+    kernel's share on the side stream unless ``concurrent_tiles=False``. ``device``: a ``torch.device`` or a
+    :class:`~relaygr_engine.kernels._target.Target`; ``interpreted``: the kernel runs in Triton's interpreter
+    (None: as this process's kernel was decorated)."""
+    if interpreted is None:
+        interpreted = C.is_interpreted(prefix_attention_kernel)
     target = HL.pick_splits(device, hopper_dim, HL.programs_per_split(plan, num_heads), plan.max_context_len) \
         if hopper_dim and splits is None else None
     num_splits, split_len = split_layout(device, plan.num_tiles * num_heads * (value_splits or 1),
                                          plan.max_context_len, block_n, splits, target=target,
-                                         interpreted=C.is_interpreted(prefix_attention_kernel))
+                                         interpreted=interpreted)
     if hopper_dim:
         return num_splits, split_len, device.type == "cuda" and concurrent_tiles is not False
     concurrent = _concurrent(concurrent_tiles, device, plan.hist_tiles.shape[1] * num_heads * num_splits,

@@ -42,12 +42,13 @@ from ..attention.time_buckets import check_time_buckets, time_bucket_bounds
 from . import _common as C
 from . import _hopper_launch as HL
 from ._prefix_config import (AUTOTUNE_V_SPLITS, CUDA_MAX_BLOCK_N, TMA_ONLY, KernelConfig,
-                             autotuned_kernel, load_autotune, page_reads as pick_page_reads, pick_config,
+                             autotuned_kernel, kv_descriptor, load_autotune, pick_config,
                              reset_autotuning, save_autotune)
-from ._bias_table import bias_table, hist_rows_fit
+from ._bias_table import bias_table
+from ._launch import decide
 from ._prefix_kernel import prefix_attention_kernel
 from ._prefix_plan import (PrefixAttentionPlan, _check_block, _plan, check_plan, check_value_splits,
-                           plan_prefix_attention, schedule)
+                           plan_prefix_attention)
 from ._split import merge_splits, split_dtype as pick_split_dtype
 
 __all__ = ["prefix_attention", "plan_prefix_attention", "PrefixAttentionPlan", "AttentionMode", "KernelConfig",
@@ -71,12 +72,6 @@ def _dot_precision(dtype: torch.dtype, allow_tf32: bool):
     if dtype != torch.float32:
         return None
     return "tf32" if allow_tf32 else "ieee"
-
-
-def _fast_silu(device: torch.device, dtype: torch.dtype) -> bool:
-    """HSTU's SiLU through one approximate tanh (``FAST_SILU``): CUDA with 16-bit inputs, whose weights' rounding
-    dwarfs its error; fp32 keeps the exact form (and the interpreter and triton-ascend have no PTX)."""
-    return device.type == "cuda" and dtype != torch.float32
 
 
 def _ts_bits(num_buckets: int) -> int:
@@ -252,8 +247,8 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
         raise ValueError(f"concurrent_tiles=True needs a CUDA device (streams), got {device}")
     if bias_table_bytes is not None:
         bias_table_bytes = check_int("bias_table_bytes", bias_table_bytes)
-    ws_dtype = pick_split_dtype(split_dtype, q.dtype, device)
-    use_hopper = HL.requested(hopper_kernel)
+    pick_split_dtype(split_dtype, q.dtype, device)  # (checks split_dtype)
+    HL.requested(hopper_kernel)  # (checks hopper_kernel)
     reads = parse_choice(PageReads, page_reads, "page_reads")
     if plan is not None:
         check_plan(plan, batch=batch, total_q=total_q, page_size=page_size, num_pages=num_pages, device=device,
@@ -272,35 +267,40 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     out = torch.empty_like(q)
     if total_q == 0:
         return out
+    interpreted = C.is_interpreted(_prefix_attention_kernel)
     cfg = pick_config(device, q.dtype, head_dim, plan.block_m if plan is not None else block_m, block_n,
-                      interpreted=C.is_interpreted(_prefix_attention_kernel))
+                      interpreted=interpreted)
     if cfg.block_n is None and value_splits not in (None, *AUTOTUNE_V_SPLITS):
         raise ValueError(f"value_splits={value_splits} needs a fixed block_n: the autotuned configs split the value "
                          f"columns over {' or '.join(map(str, AUTOTUNE_V_SPLITS))} programs")
     if reads is PageReads.TMA and (value_splits or 1) > 1:
         raise ValueError(f"page_reads='tma' reads every value column of a key block: value_splits must be 1, got "
                          f"{value_splits}")
-    tma_reads, kv_desc = pick_page_reads(reads, kv_cache, kv_dtype=kd, page_size=page_size, block_n=cfg.block_n)
     planned = plan is not None  # (a caller's plan serves several calls: its bias index is worth keeping)
     if plan is None:
         plan = _plan(table, page_size=page_size, num_pages=num_pages, cfg=cfg, device=device)
     if ts_bias is not None and ts_cache is None and plan.num_cached:
         raise ValueError(f"ts_bias needs ts_cache: {plan.num_cached} cached tokens have no timestamps")
-    hopper = HL.key_block(hopper_kernel, device=device, dtype=q.dtype, quantized=kd.quantized, head_dim=head_dim,
-                          page_size=page_size, block_m=plan.block_m, kv_cache=kv_cache, persistent=persistent,
-                          value_splits=value_splits, fixed_block_n=block_n) if use_hopper else 0  # (its key block)
-    num_splits, split_len, concurrent = schedule(plan, device, num_heads, block_n=cfg.block_n, splits=splits,
-                                                 value_splits=value_splits, concurrent_tiles=concurrent_tiles,
-                                                 hopper_dim=head_dim if hopper else 0)
+    # Every launch decision (kernels._launch), once per batch plan and layer signature.
+    options = dict(page_reads=reads, splits=splits, value_splits=value_splits, concurrent_tiles=concurrent_tiles,
+                   hopper_kernel=hopper_kernel, persistent=persistent, fixed_block_n=block_n,
+                   bias_table_bytes=bias_table_bytes, split_dtype=split_dtype)
+    layer = dict(dtype=q.dtype, head_dim=head_dim, num_heads=num_heads, num_pages=num_pages, kv_dtype=kd, hstu=hstu,
+                 biased=hstu and (pos_bias is not None or ts_bias is not None), interpreted=interpreted,
+                 aligned=kv_cache.data_ptr() % 16 == 0)
+    launch = plan.launch((cfg, HL.state()["failed"], *layer.items(), *options.items()),
+                         lambda: decide(plan, C.target_of(device), cfg, **layer, **options))
+    tma_reads, hopper = launch.tma_reads, launch.hopper
+    kv_desc = kv_descriptor(kv_cache, page_size, cfg.block_n) if tma_reads else None
+    num_splits, split_len, concurrent, slots = launch.num_splits, launch.split_len, launch.concurrent, launch.slots
     assert num_splits * split_len >= plan.max_context_len, "the splits must cover every tile's keys"
-    slots = num_splits + (hopper > 0)  # (with the Hopper kernel, slot S holds the portable kernel's rest of the keys)
     if slots > 1 and slots * total_q * num_heads >= 2 ** 31:  # (the kernels' partial rows are int32)
         raise ValueError(f"splits={num_splits} over {total_q} rows and {num_heads} heads make "
                          f"{slots * total_q * num_heads} rows of split partials, at most 2**31 - 1: ask for "
                          f"fewer splits")
     ws = ml = q  # stand-ins without SPLIT (never written)
     if slots > 1:
-        ws = torch.empty((slots, total_q, num_heads, head_dim), dtype=ws_dtype, device=device)
+        ws = torch.empty((slots, total_q, num_heads, head_dim), dtype=launch.split_dtype, device=device)
         ml = ws if hstu else torch.empty((slots, total_q, num_heads, 2), dtype=torch.float32, device=device)
     has_pos, has_ts = pos_bias is not None, ts_bias is not None
     ts_bits = _ts_bits(ts_bias.numel()) if has_ts else 1
@@ -311,13 +311,9 @@ def prefix_attention(q, k, v, kv_cache, kv_indptr, kv_indices, kv_last_page_len,
     # HSTU's bias once per layer (kernels._bias_table): a row per user for the candidate tiles and, within the
     # budget, a row per history tile row; history tiles without rows compute theirs in the kernel. With a plan
     # given, its bias index (positions and time buckets, which no layer changes) is built once for all layers.
-    table, user_rows, hist_table = None, 0, False
-    fast_silu = hstu and _fast_silu(device, q.dtype)
+    table, user_rows, hist_table, fast_silu = None, launch.user_rows, launch.hist_table, launch.fast_silu
     if hstu and (has_pos or has_ts):
-        user_rows = plan.batch if plan.cand_tiles.shape[1] else 0
         max_block_n = cfg.block_n or CUDA_MAX_BLOCK_N  # (autotuned: any of CUDA_CONFIGS)
-        hist_table = hist_rows_fit(plan.hist_tiles, plan.hist_block_m, plan.max_key_len, max_block_n,
-                                   bias_table_bytes)
         table = bias_table(
             user_rows, plan.hist_tiles if hist_table else None, plan.hist_block_m, plan.max_key_len, max_block_n,
             (kv_indptr, kv_indices, kv_last_page_len, cu_seqlens_q, num_candidates), (pos_bias, ts_bias),
