@@ -7,9 +7,8 @@ What runs depends on the forward context (:mod:`relaygr_engine.attention.context
   ``relaygr::prefix_attention`` (:mod:`relaygr_engine.attention.op`), which stores the new history rows' K/V in their
   pages and attends over each user's cached prefix with the batch's plan (built once for all layers); a compiler
   sees the op as opaque;
-* under :func:`~relaygr_engine.attention.context.batch_context` (training, the oracle, tests), it runs dense masked
-attention
-  over the whole batch with the same masks and formulas, in plain tensor ops on the batch's row tables.
+* under :func:`~relaygr_engine.attention.context.batch_context` (training, the oracle, tests), it runs dense
+  masked attention over the whole batch with the same masks and formulas, in plain tensor ops on the batch's row tables.
 
 Both paths compile with ``torch.compile(model, fullgraph=True, dynamic=True)``: no graph break, no recompile per
 length.
