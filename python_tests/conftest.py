@@ -8,6 +8,10 @@ import torch
 # Triton reads TRITON_INTERPRET when it is first imported: without a GPU, kernels run in the CPU interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (pyproject's addopts: a worker per core) each worker computes on one thread: two workers of two
+# intra-op threads each on a 2-core machine would oversubscribe it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
@@ -37,6 +41,13 @@ def pytest_report_header(config):
                                                                if EXTENSION_ERROR else "")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # The tests that start Ray (mark ``ray``) run in one xdist worker, one after the other: two local Ray
+    # instances at once would share the machine's two CPUs and Ray's default ports.
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if os.environ.get("RELAYGR_REQUIRE_EXT") == "1" and "cpp" not in IMPLS:
         raise pytest.UsageError(f"RELAYGR_REQUIRE_EXT=1 but relaygr_engine._C did not load: {EXTENSION_ERROR}")
+
