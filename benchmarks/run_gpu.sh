@@ -13,7 +13,7 @@
 #   env ~12: versions, GPU, sm_90 ptxas | tests-gpu ~190: pytest -m gpu | tests-cuda ~540: the whole suite
 #   tests-hopper-twin ~30, tests-hopper ~100: sm_90 kernel vs its twin, vs the reference | sync <=120: device syncs
 #   tests-kv8 ~60, sanitize-kv8 <=300: 8-bit CUDA tests with the kernel's read on, plain / under compute-sanitizer
-#   kernels-d64|d128|d256 ~100 each, kernels (join, no GPU): bench kernels | kernels-rule-*: ~115, rule auto vs fill
+#   kernels-d64|d128|d256 ~100 each, kernels (join, no GPU): bench kernels, one part per head dim
 #   kernels-splits ~30, kernels-split-dtype ~30, kernels-vsplits-rank <=300: one ranking layer at NVIDIA's shape
 #   kernels-vsplits <=600, kernels-persistent <=600, kernels-fp8|int8 <=900 (8-bit pages) | ptxas <=900: static
 #   kernels-hopper ~100, kernels-hopper-softmax <=500, kernels-hopper-rank ~75, rank-hopper ~30: the sm_90 kernel
@@ -45,7 +45,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128 kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -95,18 +95,6 @@ for d in 64 128 256; do
 done
 step kernels 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \"${OUT_DIR}\"/kernels-d*.json \
     --json \"${OUT_DIR}/kernels.json\""
-# The split count's rule (relaygr_engine/kernels/_split.py, least_waves: the fewest waves of programs, 2026-11-27) beside the rule it
-# replaced (fill: about two programs per SM, none once the tiles make a wave), every shape under both in one run, by
-# head dim as above (the fill rows time the kernel alone, beside the matmul rate; their baselines are the auto
-# rows'): matmul_fraction_long_{mode} (the launcher's rule) beside matmul_fraction_long_{mode}_fill,
-# geomean_ms_split_{auto,fill}. (Split counts are runtime arguments: no new binary, but a split launch is its own
-# autotuned variant where the other rule does not split.)
-for d in 64 128 256; do
-    step "kernels-rule-d${d}" 600 $PY -m relaygr_engine.cli bench kernels --head-dims "${d}" --splits auto,fill \
-        --json "${OUT_DIR}/kernels-rule-d${d}.json"
-done
-step kernels-rule 60 bash -c "$PY -m relaygr_engine.cli bench kernels --summarize \
-    \"${OUT_DIR}\"/kernels-rule-d*.json --json \"${OUT_DIR}/kernels-rule.json\""
 # One layer of a ranking at NVIDIA's shape (1 user, 128 new rows + 256 candidates over 3968 cached keys, 4 x 256):
 # the launcher's split count (auto) beside fixed ones, the two kinds of tile launched on two streams at once (auto)
 # and one after the other (no), each a CUDA-graph replay. (Run 2, one stream: 1 split 0.290 ms, 31 splits 0.095.)
@@ -125,21 +113,20 @@ step kernels-vsplits 600 $PY -m relaygr_engine.cli bench kernels --head-dims 256
     --json "${OUT_DIR}/kernels-vsplits.json"
 step kernels-vsplits-rank 300 $PY -m relaygr_engine.cli bench kernels --modes hstu \
     --shape B=1,P=3968,n=128,C=256,H=4,D=256 --value-splits 1,2 --block-m 128,64 --json "${OUT_DIR}/kernels-vsplits-rank.json"
-# The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (relaygr_engine/kernels/_hopper.py, Gluon;
-# opt-in; first run 2026-11-26: right, not faster; its HSTU loop overlapped in FlashAttention-3's order on request
-# (right on an H200, 14% slower than the sequential default), `--hopper-overlap auto,yes` timing the two in one run): first whether it is right (its CUDA tests: against its torch twin, then the
-# reference within bf16 tolerance, eagerly and in a graph), then beside the portable kernel in one run: the long
-# head-dim-256 HSTU shapes (matmul_fraction_long_hstu_hopper beside matmul_fraction_long_hstu), one ranking layer at
-# NVIDIA's shape, the softmax shapes at every head dim (matmul_fraction_long_softmax_hopper); a whole ranking with it.
+# The warp-specialised sm_90 kernel for tiles' full cached blocks, HSTU and softmax (relaygr_engine/kernels/_hopper.py,
+# Gluon; opt-in: faster on the long HSTU shapes, slower in a ranking): first whether it is right (its CUDA tests:
+# against its torch twin, then the reference within bf16 tolerance, eagerly and in a graph), then beside the
+# portable kernel in one run: the long head-dim-256 HSTU shapes (matmul_fraction_long_hstu_hopper beside
+# matmul_fraction_long_hstu), one ranking layer at NVIDIA's shape, the softmax shapes at every head dim
+# (matmul_fraction_long_softmax_hopper); a whole ranking with it.
 step tests-hopper-twin 150 $PY -m pytest -q -rfEs -m gpu python_tests/test_hopper.py -k twin -p no:cacheprovider
 step tests-hopper 330 $PY -m pytest -q -rfEs -m gpu python_tests/test_hopper.py -p no:cacheprovider
 step kernels-hopper 420 $PY -m relaygr_engine.cli bench kernels --modes hstu --head-dims 256 --hopper-kernel no,yes \
-    --hopper-overlap auto,yes \
     --json "${OUT_DIR}/kernels-hopper.json"
 step kernels-hopper-softmax 500 $PY -m relaygr_engine.cli bench kernels --modes softmax --hopper-kernel no,yes \
     --json "${OUT_DIR}/kernels-hopper-softmax.json"
 step kernels-hopper-rank 240 $PY -m relaygr_engine.cli bench kernels --modes hstu \
-    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --hopper-kernel no,yes --hopper-overlap auto,yes --splits auto,11,16 \
+    --shape B=1,P=3968,n=128,C=256,H=4,D=256 --hopper-kernel no,yes --splits auto,11,16 \
     --json "${OUT_DIR}/kernels-hopper-rank.json"
 step rank-hopper 300 env RELAYGR_HOPPER_KERNEL=1 $PY -m relaygr_engine.cli bench rank --device cuda \
     --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs \

@@ -38,7 +38,7 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     out = capsys.readouterr().out.strip().splitlines()
     last = out[-1]
     assert "geomean_ms_s1=" in last and "geomean_ms_s3=" in last  # auto: no split in the interpreter
-    assert "geomean_ms_split_" not in last  # (one rule and a fixed count: no comparison of rules)
+    assert "geomean_ms_split_" not in last  # (one rule: no comparison of rules)
     rows = json.loads(path.read_text())["rows"]
     assert sorted((r["mode"], r["splits"]) for r in rows) == [("hstu", 1), ("hstu", 3), ("softmax", 1),
                                                               ("softmax", 3)]
@@ -46,68 +46,12 @@ def test_bench_kernels_times_a_given_shape_at_each_split_count(tmp_path, capsys)
     assert {(r["splits"], r["split_keys"]) for r in rows} == {(1, 320), (3, 128)}
     assert any("keys/S" in line for line in out)
     assert all(r["prefix"] == 300 and r["cands"] == 5 and r["max_abs_err"] <= ATOL for r in rows)
-    for bad in (["--shape", "B=1,P=64"], ["--splits", "0"], ["--splits", "33"], ["--splits", "two"]):
+    for bad in (["--shape", "B=1,P=64"], ["--splits", "0"], ["--splits", "33"], ["--splits", "two"],
+                ["--splits", "auto,fill"], ["--hopper-overlap", "yes"]):  # (the last two: options removed)
         with pytest.raises(SystemExit):
             bench.main(bad)
     err = capsys.readouterr().err
-    assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto', 'fill' and/or integers in [1, 32]" in err
-
-
-def test_summary_keeps_the_former_split_rule_to_its_own_fields():
-    """A CUDA run comparing the split rules (``--splits auto,fill``): the headline figures and the long-shape
-    fractions are the launcher's rule's rows; the former rule's rows only in ``..._fill`` and
-    ``geomean_ms_split_fill`` (and in the largest error); fixed counts are not a rule."""
-    from relaygr_engine.bench import kernels_summary as S
-
-    def row(rule, splits, ms, frac, err=1e-3, prefix=16384):
-        return dict(mode="hstu", block_m=128, speedup_vs_gathered=2.0, max_abs_err=err, speedup_vs_recompute=30.0,
-                    paged_overhead=0.01 if rule != "fill" else 0.5, time_ms=ms, splits=splits, split_rule=rule,
-                    prefix=prefix, new=32, cands=1024, users=4, matmul_fraction=frac, hopper_kernel=False)
-
-    rows = [row("auto", 9, 0.6, 0.5), row("fill", 1, 1.0, 0.3, err=2e-3), row("auto", 5, 0.1, 0.4, prefix=4096),
-            row("fill", 6, 0.12, 0.35, prefix=4096)]
-    got = S.summarize(rows, device="cuda", dtype="bfloat16")
-    assert got["shapes"] == 4 and got["max_abs_err"] == 2e-3 and got["max_paged_overhead"] == 0.01
-    assert got["min_matmul_fraction"] == 0.4
-    assert got["matmul_fraction_long_hstu"] == pytest.approx((0.5 * 0.4) ** 0.5)
-    assert got["matmul_fraction_long_hstu_fill"] == pytest.approx((0.3 * 0.35) ** 0.5)
-    assert got["geomean_ms_split_auto"] == pytest.approx((0.6 * 0.1) ** 0.5)
-    assert got["geomean_ms_split_fill"] == pytest.approx((1.0 * 0.12) ** 0.5)
-    assert "geomean_ms_s1" not in got and "geomean_ms_s6" not in got  # (the fill rows' counts)
-    given = S.summarize([row("auto", 9, 0.6, 0.5), row("given", 3, 0.7, 0.45)], device="cuda", dtype="bfloat16")
-    assert "geomean_ms_split_auto" not in given and given["geomean_ms_s3"] == 0.7
-
-
-@needs_interpreter
-def test_bench_kernels_times_the_former_split_rule_beside_the_launchers(tmp_path, capsys, monkeypatch):
-    """``--splits auto,fill``: each shape under the launcher's rule and under the rule it replaced
-    (``_split.fill_splits``, asked with the plan's (tile, head) pairs and longest user's keys, its count given to
-    the launch), one geomean per rule, the fill rows marked in the table and timing the kernel only; fill alone,
-    or beside the sm_90 kernel, is a usage error."""
-    from relaygr_engine.bench import kernels as bench
-    from relaygr_engine.kernels import _split
-
-    asked = []
-    monkeypatch.setattr(_split, "fill_splits", lambda device, work, keys: asked.append((work, keys)) or 2)
-    path = tmp_path / "k.json"
-    assert bench.main(["--modes", "hstu", "--shape", "B=1,P=300,n=3,C=5,H=2,D=32,page=16", "--splits", "auto,fill",
-                       "--json", str(path)]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    rows = json.loads(path.read_text())["rows"]
-    assert [(r["split_rule"], r["splits"]) for r in rows] == [("auto", 1), ("fill", 2)]
-    # (the fill row times its kernel only: the baselines are the shape's auto row's)
-    assert "speedup_vs_gathered" in rows[0] and "speedup_vs_gathered" not in rows[1] and "recompute_ms" not in rows[1]
-    assert asked == [(4, 303)]  # a history tile and a candidate tile x 2 heads; 300 + 3 keys
-    assert all(r["max_abs_err"] <= ATOL for r in rows)
-    assert "geomean_ms_split_auto=" in out[-1] and "geomean_ms_split_fill=" in out[-1]
-    assert sum(" 2f " in line for line in out) == 1
-    with pytest.raises(SystemExit):
-        bench.main(["--splits", "fill"])
-    assert "--splits fill is timed beside the launcher's rule: give auto too" in capsys.readouterr().err
-    monkeypatch.setattr(bench, "_prepare_device", lambda name: (torch.device("cuda"), ""))
-    with pytest.raises(SystemExit):  # (the sm_90 kernel's count is its own: no former rule to time)
-        bench.main(["--splits", "auto,fill", "--hopper-kernel", "no,yes"])
-    assert "--splits fill is the portable kernel's former split rule" in capsys.readouterr().err
+    assert "--shape: 'B=1,P=64' lacks" in err and "--splits must be 'auto' and/or integers in [1, 32]" in err
 
 
 @needs_interpreter
@@ -250,7 +194,7 @@ def test_profile_rank_counts_overlapping_kernels_once():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_rank.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tools" / "profile_rank.py"
     spec = importlib.util.spec_from_file_location("profile_rank", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -295,18 +239,6 @@ def test_bench_kernels_reports_the_hopper_kernel_beside_the_portable_one():
                         row(True, 1.0, 0.8, "softmax")], device="cuda", dtype="bfloat16")
     assert (both["matmul_fraction_long_softmax"], both["matmul_fraction_long_softmax_hopper"]) == (0.2, 0.8)
     assert (both["matmul_fraction_long_hstu"], both["matmul_fraction_long_hstu_hopper"]) == (0.25, 0.5)
-    # --hopper-overlap auto,no,yes: the sm_90 kernel's HSTU loop forced sequential / overlapped in rows of their own
-    # (hk column "s" / "o"), kept out of hopper_yes and the _hopper fraction, in geomean_ms_hopper_overlap_{auto,no,
-    # yes} and the _hopper_seq / _hopper_overlap fractions
-    seq, ovl = dict(row(True, 3.0, 0.4), hopper_overlap=False), dict(row(True, 4.0, 0.3), hopper_overlap=True)
-    ab = S.summarize([row(False, 2.0, 0.25), dict(row(True, 1.0, 0.5), hopper_overlap=None), seq, ovl],
-                     device="cuda", dtype="bfloat16")
-    assert (ab["geomean_ms_hopper_no"], ab["geomean_ms_hopper_yes"]) == (2.0, 1.0)
-    assert [ab[f"geomean_ms_hopper_overlap_{k}"] for k in ("auto", "no", "yes")] == pytest.approx([1.0, 3.0, 4.0])
-    assert [ab[f"matmul_fraction_long_hstu_hopper{k}"] for k in ("", "_seq", "_overlap")] == pytest.approx(
-        [0.5, 0.4, 0.3])
-    assert [S.row_line(r).split()[7] for r in (seq, ovl)] == ["s", "o"]
-    assert "geomean_ms_hopper_overlap_no" not in summary
     from relaygr_engine.bench.autotune_report import describe  # the portable kernel's share, in the autotuned lines
 
     key = dict(HSTU=True, CAND_TILES=True, SPLIT=True, HEAD_DIM=256, BLOCK_M=128, TMA_READS=1)

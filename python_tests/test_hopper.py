@@ -80,17 +80,15 @@ def test_rows_the_hopper_kernel_does_not_take_see_a_neutral_extra_slot(mode, mon
 
 def test_splits_fill_whole_waves_of_the_programs_an_sm_holds(monkeypatch):
     """The Hopper launches' split count: at NVIDIA's ranking shape (2 candidate tiles and 1 history tile of 128
-    rows, 4 heads, head dim 256: 24 programs a split; 132 SMs holding 2 each) 11 splits, one full wave (the
-    portable kernel's former rule's 16 make 384 programs: two waves); no split where one already fills the SMs
-    and keys are few; at most as many as MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as
-    its own choice."""
+    rows, 4 heads, head dim 256: 24 programs a split; 132 SMs holding 2 each) 11 splits, one full wave (16 would
+    make 384 programs: two waves); no split where one already fills the SMs and keys are few; at most as many as
+    MIN_SPLIT_KEYS allows; 1 off CUDA. ``split_layout`` trims a target as its own choice."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from relaygr_engine.kernels import _common, _split
 
     monkeypatch.setattr(_common, "_num_cores", lambda kind, index: 132)
     cuda = torch.device("cuda", 0)
     assert HL.pick_splits(cuda, 256, 24, 3968 + 128) == 11
-    assert _split.fill_splits(cuda, 12, 3968 + 128) == 16 and 24 * 16 > 132 * 2  # (the former portable rule's)
     assert HL.pick_splits(cuda, 256, 264, 4096) == 1                             # one split fills every slot
     assert HL.pick_splits(cuda, 64, 24, 600) == 2                                # 600 // MIN_SPLIT_KEYS
     assert HL.pick_splits(cuda, 128, 24, 100) == 1 and HL.pick_splits(torch.device("cpu"), 256, 24, 4096) == 1
@@ -308,65 +306,6 @@ def test_a_launch_compiles_exactly_what_the_static_report_describes():
     for r in rows:
         assert r["grid"] == [2 * 2 * 4 * 3], r  # 2 tiles of 128 rows (2 programs each) x 4 heads x 3 splits
         assert r["same"], r
-
-
-_OVERLAP_CHECK = """
-import json, subprocess, tempfile, os
-from triton.backends.nvidia.compiler import get_ptxas
-from benchmarks.tools.ptxas_hopper import compile_hopper
-from benchmarks.tools.sass import disassemble, _loops
-from relaygr_engine.kernels import _hopper_launch as HL
-from benchmarks.tools.ptxas_hopper import compile_launch
-for d, setting, asked in ((64, None, True), (128, True, True), (256, True, True), (256, None, None)):
-    kernel = compile_hopper(d, hstu=True, cand=True, page_size=64, overlap=setting)
-    with HL.overlap(asked):  # a launch within the switch compiles that loop (at head dim 64 the sequential one)
-        same = compile_launch(d, hstu=True, cand=True)[0].asm["cubin"] == kernel.asm["cubin"]
-    with tempfile.TemporaryDirectory() as tmp:
-        open(os.path.join(tmp, "k.ptx"), "w").write(kernel.asm["ptx"])
-        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-    code = disassemble(kernel.asm["cubin"])
-    first, last = max(_loops(code), key=lambda span: sum("GMMA" in t for a, t, *_ in code if span[0] <= a <= span[1]))
-    order = [t.split()[0] for a, t, *_ in code if first <= a <= last
-             and t.split()[0].split(".")[0] in ("HGMMA", "MUFU", "WARPGROUP")]
-    print(json.dumps(dict(d=d, overlap=setting, same=same, order=order,
-                          serialized="serialized" in info.stdout + info.stderr)))
-"""
-
-
-def test_hstu_overlaps_a_blocks_silu_with_the_next_blocks_product_where_asked_from_head_dim_128():
-    """Static, no GPU: asked for (``_hopper_launch.overlap(True)``, where a launch compiles the same binary), from
-    head dim 128 (``_hopper.OVERLAP_FROM``) the HSTU key loop of the sm_90 kernel issues the next block's QK
-    ``wgmma`` products and computes this block's SiLU (its ``tanh``) without waiting for them, then issues the P.V
-    products and waits once, at the loop's end; ptxas does not serialise its ``wgmma`` (it would where another
-    instruction read an accumulator in flight). By default (the sequential loop: faster on an H200), at head dim
-    256, and at 64 even where asked (``RELAYGR_HOPPER_OVERLAP=1`` applies from 128: too few registers for two
-    blocks' scores below), it waits for the QK product before the SiLU. (In its own process, without the
-    interpreter.)"""
-    rows = _static_rows(_OVERLAP_CHECK)
-    assert len(rows) == 4
-    for r in rows:
-        d = r["d"]
-        assert not r["serialized"] and r["same"], r
-        order = r["order"]
-        first_wait = next(i for i, op in enumerate(order) if op.startswith("WARPGROUP.DEPBAR"))
-        before = order[:first_wait]
-        qk = next(op for op in order if op.startswith("HGMMA"))  # (64 x BLOCK_N; P.V's are 64 x 128 or 64 x D)
-        if r["overlap"]:  # QK products, the SiLU's tanh, the P.V products, then one wait
-            tanh = [i for i, op in enumerate(order) if op == "MUFU.TANH"]
-            assert tanh and tanh[-1] < first_wait
-            assert order.index(qk) < tanh[0]  # (the scheduler may interleave the last products with the tanh)
-            assert min(i for i, op in enumerate(order) if op.startswith("HGMMA") and op != qk) > tanh[-1]
-            assert sum(op.startswith("WARPGROUP.DEPBAR") for op in order) == 1
-        else:  # waits for the QK product before its tanh (the default)
-            assert "MUFU.TANH" not in before
-    from relaygr_engine.kernels import _hopper as H
-
-    assert not any(H.overlaps(d, True) for d in (64, 128, 256))
-    assert [H.overlaps(d, True, True) for d in (128, 256)] == [True, True] and not H.overlaps(256, False, True)
-    assert not H.overlaps(256, True, False)
-    with pytest.raises(ValueError, match="head dim >= 128"):
-        H.overlaps(64, True, True)
 
 
 def test_a_loops_usual_path_leaves_out_what_a_forward_branch_inside_it_skips():

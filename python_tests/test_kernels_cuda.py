@@ -147,20 +147,18 @@ def test_value_splits_at_head_dim_256_bf16_cuda(mode, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("mode", ["softmax", "hstu"])
 def test_several_programs_per_sm_configs_at_head_dim_64_bf16_cuda(mode, monkeypatch):
-    """The configs that put several programs on an SM, each forced in turn for the candidate tiles: registers capped
-    at 128 (two 8-warp programs), and one warp group per 64 rows (a 128-row tile as two 4-warp programs); within
-    bf16 tolerance of the reference."""
+    """The configs that put several programs on an SM, each forced in turn for the candidate tiles: one warp group
+    per 64 rows (a 128-row tile as two 4-warp programs); within bf16 tolerance of the reference."""
     from relaygr_engine.kernels import _prefix_config as K
 
     args, bias = make_problem([(1500, 20, 300), (64, 0, 40)], 64, 4, 64, device="cuda", dtype=torch.bfloat16)
     kw = attention_kwargs(mode, bias, 64)
     ref = prefix_attention_ref(**{n: (t.float() if t.is_floating_point() else t) for n, t in args.items()}, **kw)
     tuner, real = K.autotuned_kernel(), K.prune_configs
-    capped = [c for c in K.CUDA_CONFIGS if c.maxnreg == K.CAPPED_REGS]
     halves = [c for c in K.CUDA_CONFIGS if c.kwargs["M_SPLITS"] == 2 and c.kwargs["V_SPLITS"] == 1]
     reads = ["pointers", "tma"] if tma_device(torch.device("cuda")) else ["pointers"]
-    assert len(capped) == 2 and len(halves) == 8
-    for config in capped + halves:
+    assert len(halves) == 5
+    for config in halves:
         if config.kwargs["TMA"] and "tma" not in reads:
             continue
         offered = []
@@ -289,8 +287,7 @@ def test_prefix_attention_fp32_cuda_ieee():
 def test_pick_splits_cuts_the_last_wave_and_splits_only_users_with_many_keys(monkeypatch):
     """The portable kernel's split count: the fewest waves of one program per SM times each program's keys and
     fixed traffic (``least_waves``), so a count whose last wave is nearly empty loses to one of whole waves; never
-    more splits than ``MIN_SPLIT_KEYS`` allows. The rule it replaced (``fill_splits``, about two programs per SM)
-    stays as it was, for ``bench kernels --splits fill``."""
+    more splits than ``MIN_SPLIT_KEYS`` allows."""
     from relaygr_engine.kernels import _split
 
     monkeypatch.setattr(_split.C, "_num_cores", lambda kind, index: 132)
@@ -306,9 +303,6 @@ def test_pick_splits_cuts_the_last_wave_and_splits_only_users_with_many_keys(mon
     assert _split.pick_splits(torch.device("cpu"), 1, 1 << 20) == 1
     assert _split.pick_splits(cuda, 24, 3968, interpreted=True) == 1
     assert _split.pick_splits(torch.device("cpu"), 1, 0, splits=4) == 4
-    assert [_split.fill_splits(cuda, w, k) for w, k in ((24, 2000), (24, 1 << 20), (12, 4096), (200, 1 << 20))] \
-        == [7, 11, 16, 1]
-    assert _split.fill_splits(torch.device("cpu"), 12, 4096) == 1
     for bad in (0, 33, True, 2.0):
         with pytest.raises(ValueError, match="splits must be an integer in"):
             _split.pick_splits(cuda, 24, 3968, splits=bad)

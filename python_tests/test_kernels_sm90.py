@@ -232,25 +232,25 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     """The CUDA autotune set per variant (read off ``python -m benchmarks.tools.ptxas --defaults``): candidate tiles on
     8 warps; history tiles of 64 rows also on 4 (one warp group: no score computed twice) up to head dim 128; head dim
     256 keeps 32-key blocks only; there biased HSTU candidate tiles keep 3 stages and history tiles computing their
-    bias in the kernel 2 (reading it from the table, both); head dim 64 keeps all. Value columns split in two are
-    offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and 64-key blocks at 2
-    stages except for 128-row history tiles computing their bias (and 64-row ones with a split prefix); on 4 warps
-    64 rows a program, 32-key blocks, 2 stages (a 128-row tile as two such programs; not for history tiles
-    computing their bias with a split prefix). Registers capped at 128 (two 8-warp programs per SM): candidate
-    tiles up to head dim 64, 32-key blocks, 2 stages, pages in the model's dtype."""
+    bias in the kernel 2 (reading it from the table, both); head dim 64 keeps every config of the space (pointer
+    reads: on 8 warps 32-key blocks at 2 and 3 stages and 64-key blocks at 3; on one warp group 32-key blocks at 2
+    stages and 64-key blocks at 3, or, a 128-row tile as two programs, 32-key blocks at 2 and 3). Value columns
+    split in two are offered above head dim 128 (or where asked for, then alone): on 8 warps 32-key blocks, and
+    64-key blocks at 2 stages except for 128-row history tiles computing their bias (and 64-row ones with a split
+    prefix); on 4 warps 64 rows a program, 32-key blocks, 2 stages (a 128-row tile as two such programs; not for
+    history tiles computing their bias with a split prefix). No config caps the registers."""
     from relaygr_engine.kernels import _prefix_config as K
 
-    def kept(warps=8, splits=1, capped=False, rows=1, **meta):
+    def kept(warps=8, splits=1, rows=1, **meta):
         return sorted((c.kwargs["BLOCK_N"], c.num_stages) for c in K.prune_configs(K.CUDA_CONFIGS, {}, **meta)
-                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits and c.kwargs["M_SPLITS"] == rows
-                      and (c.maxnreg == K.CAPPED_REGS) == capped)
+                      if c.num_warps == warps and c.kwargs["V_SPLITS"] == splits and c.kwargs["M_SPLITS"] == rows)
 
-    all4 = [(32, 2), (32, 3), (64, 2), (64, 3)]
-    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
+    eight, group, halves = [(32, 2), (32, 3), (64, 3)], [(32, 2), (64, 3)], [(32, 2), (32, 3)]  # the space's
+    assert kept(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == eight
     # one warp group per 64 rows: a 64-row candidate tile whole, a 128-row one as two programs; never above 128
-    assert kept(4, HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == all4
+    assert kept(4, HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True) == group
     for d in (64, 128):
-        assert kept(4, rows=2, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == all4
+        assert kept(4, rows=2, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == halves
         assert kept(4, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == []
         assert kept(4, HEAD_DIM=d, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=32) == []
     assert kept(4, rows=2, HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, BLOCK_M=128) == []
@@ -273,12 +273,12 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     assert kept(4, rows=2, **cand, HSTU=True, HAS_POS=True, HAS_TS=True) == [(32, 2), (32, 3)]
     assert kept(4, rows=2, **dict(cand, SPLIT=False), HSTU=True, HAS_POS=True, HAS_TS=True) == []
     assert kept(4, rows=2, **cand, HSTU=True) == [] == kept(4, rows=2, **cand, HSTU=False)
-    for warps in (8, 4):
-        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [(32, 2), (32, 3)]
-        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == all4
-        assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == all4
+    for warps, space in ((8, eight), (4, group)):
+        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True) == [c for c in space if c[0] == 32]
+        assert kept(warps, HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True) == space
+        assert kept(warps, HEAD_DIM=64, HSTU=False, CAND_TILES=False) == space
     assert kept(4, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == []  # 128 rows: 8 warps, or two programs
-    assert kept(4, rows=2, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == all4
+    assert kept(4, rows=2, HEAD_DIM=64, HSTU=False, CAND_TILES=False, BLOCK_M=128) == halves
     assert kept(HEAD_DIM=128, HSTU=True, CAND_TILES=False) == kept(HEAD_DIM=128, HSTU=False, CAND_TILES=False)
     cand256 = dict(HEAD_DIM=256, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
     assert kept(8, 2, **cand256, BLOCK_M=128) == [(32, 2), (32, 3), (64, 2)]
@@ -301,32 +301,31 @@ def test_prune_configs_keeps_the_rules_the_static_report_found():
     assert kept(8, 2, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == [(32, 2), (32, 3), (64, 2)]
     assert kept(8, 1, HEAD_DIM=64, HSTU=False, CAND_TILES=True, V_SPLITS_PICK=2) == []
     assert kept(8, 2, **cand256, V_SPLITS_PICK=1) == [] and kept(8, 1, **cand256, V_SPLITS_PICK=1) == [(32, 3)]
-    cand64 = dict(HEAD_DIM=64, HSTU=True, CAND_TILES=True, HAS_POS=True, HAS_TS=True)
-    assert kept(capped=True, **cand64) == [(32, 2)] == kept(capped=True, **dict(cand64, HSTU=False))
-    for meta in (dict(cand64, HEAD_DIM=128), dict(cand64, CAND_TILES=False), dict(cand64, KV8=True),
-                 dict(cand64, V_SPLITS_PICK=2)):
-        assert kept(capped=True, **meta) == [], meta
+    assert all(c.maxnreg is None for c in K.CUDA_CONFIGS)
 
 
 def test_prune_configs_offers_tensor_descriptor_reads_as_the_launch_allows():
-    """``TMA_READS``: off keeps the pointer configs only, either adds a tensor-descriptor twin of each (same
-    rules: they compile alike) where a key block lies in one page, only keeps the twins."""
+    """``TMA_READS``: off keeps the pointer configs only, only keeps the tensor-descriptor ones, either keeps both,
+    where a key block lies in one page; a config the space holds with both page reads is kept with both or with
+    neither (same rules: they compile alike)."""
     from relaygr_engine.kernels import _prefix_config as K
 
     def kept(reads, page_size=64, splits=1, **meta):
         meta = {**dict(HEAD_DIM=128, HSTU=True, CAND_TILES=False, HAS_POS=True, HIST_TABLE=True), **meta}
-        return sorted((c.kwargs["TMA"], c.num_warps, c.kwargs["BLOCK_N"], c.num_stages)
+        return sorted((c.kwargs["TMA"], c.num_warps, c.kwargs["M_SPLITS"], c.kwargs["BLOCK_N"], c.num_stages)
                       for c in K.prune_configs(K.CUDA_CONFIGS, {}, PAGE_SIZE=page_size, TMA_READS=reads, **meta)
                       if c.kwargs["V_SPLITS"] == splits)
 
-    pointers = kept(K.TMA_OFF)
-    assert pointers and not any(t for t, *_ in pointers)
-    twins = [(True, *c[1:]) for c in pointers]
-    assert kept(K.TMA_EITHER) == pointers + twins
-    assert kept(K.TMA_ONLY) == twins
-    assert kept(K.TMA_EITHER, page_size=32) == pointers + [c for c in twins if c[2] == 32]
-    assert kept(K.TMA_EITHER, HEAD_DIM=256) == kept(K.TMA_OFF, HEAD_DIM=256) + [
-        (True, *c[1:]) for c in kept(K.TMA_OFF, HEAD_DIM=256)]
+    space = {(c.kwargs["TMA"], c.num_warps, c.kwargs["M_SPLITS"], c.kwargs["BLOCK_N"], c.num_stages)
+             for c in K.CUDA_CONFIGS}
+    both = {k[1:] for k in space if k[0]} & {k[1:] for k in space if not k[0]}  # (held with either page read)
+    for meta in (dict(), dict(HEAD_DIM=256), dict(HEAD_DIM=64, CAND_TILES=True, BLOCK_M=128)):
+        pointers, tma = kept(K.TMA_OFF, **meta), kept(K.TMA_ONLY, **meta)
+        assert pointers and tma and not any(t for t, *_ in pointers) and all(t for t, *_ in tma), meta
+        assert kept(K.TMA_EITHER, **meta) == sorted(pointers + tma), meta
+        assert {c[1:] for c in pointers} & both == {c[1:] for c in tma} & both != set(), meta
+    pointers, tma = kept(K.TMA_OFF), kept(K.TMA_ONLY)
+    assert kept(K.TMA_EITHER, page_size=32) == sorted(pointers + [c for c in tma if c[3] == 32]) != pointers + tma
     # a value split reads through pointers: offered with either, never with descriptors only
     assert kept(K.TMA_EITHER, HEAD_DIM=256, splits=2) == kept(K.TMA_OFF, HEAD_DIM=256, splits=2) != []
     assert kept(K.TMA_ONLY, HEAD_DIM=256, splits=2) == []

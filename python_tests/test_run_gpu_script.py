@@ -94,16 +94,17 @@ def test_failures_are_listed_and_unknown_steps_stop_it_first(tmp_path):
     assert calls == []                                                  # not even the install ran
 
 
-def test_the_join_steps_take_the_parts_that_finished(tmp_path):
-    """``kernels`` and ``kernels-rule`` join the head-dim parts' JSON found in OUT_DIR (a part cut by a call's
-    deadline wrote none), and nothing of the other's."""
+def test_the_join_step_takes_the_parts_that_finished(tmp_path):
+    """``kernels`` joins the head-dim parts' JSON found in OUT_DIR (a part cut by a call's deadline wrote none), and
+    nothing of another step's. (The former split rule's steps, ``kernels-rule*``, are gone.)"""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("kernels-rule-d256", "kernels-rule-d64", "kernels-d128"):
+    for name in ("kernels-hopper", "kernels-d64", "kernels-d256"):
         (out / f"{name}.json").write_text("{}")
-    proc, calls = _run(tmp_path, "kernels-rule kernels")
+    proc, calls = _run(tmp_path, "kernels")
     assert proc.returncode == 0, proc.stderr
-    rule, plain = [c for c in calls if "--summarize" in c]
-    assert "--summarize" in rule and f"{out}/kernels-rule-d256.json" in rule and f"{out}/kernels-rule-d64.json" in rule
-    assert "d128" not in rule and rule.endswith(f"--json {out}/kernels-rule.json")
-    assert f"{out}/kernels-d128.json" in plain and "rule" not in plain.split("--json")[0]
+    plain, = [c for c in calls if "--summarize" in c]
+    assert f"{out}/kernels-d64.json" in plain and f"{out}/kernels-d256.json" in plain
+    assert "hopper" not in plain and "d128" not in plain and plain.endswith(f"--json {out}/kernels.json")
+    proc, _ = _run(tmp_path, "kernels-rule")
+    assert proc.returncode == 2 and "unknown step 'kernels-rule'" in proc.stderr

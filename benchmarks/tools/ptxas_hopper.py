@@ -14,10 +14,9 @@ __all__ = ["compile_hopper", "compile_launch", "report", "main"]
 
 
 def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias: bool = True, dtype: str = "bf16",
-                   page_size: int = 64, heads: int = 4, arch: int = 90, overlap: Optional[bool] = None):
+                   page_size: int = 64, heads: int = 4, arch: int = 90):
     """Compile the kernel's config at ``head_dim`` for ``sm_<arch>`` with no GPU (:func:`ptxas.compile_kernel`,
-    specialised as a launch would be): the compiled kernel (``asm['ptx']``, ``asm['cubin']``, ``metadata.shared``).
-    ``overlap``: HSTU's key loop overlapped or not (None: as a launch by default, sequential)."""
+    specialised as a launch would be): the compiled kernel (``asm['ptx']``, ``asm['cubin']``, ``metadata.shared``)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -37,8 +36,7 @@ def compile_hopper(head_dim: int, *, hstu: bool = True, cand: bool = True, bias:
              **{n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "kv_last_ptr", "cu_q_ptr", "num_cand_ptr",
                                     "tile_user_ptr", "tile_row_ptr")}}
     constexprs = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu,
-                      HAS_BIAS=bias and hstu, CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, overlap), M_PARTS=2,
-                      **H.layouts(head_dim, bn, gdtype))
+                      HAS_BIAS=bias and hstu, CAND_TILES=cand, M_PARTS=2, **H.layouts(head_dim, bn, gdtype))
     # the strides a launch passes: a fused projection's rows, the head dim, a bias table's rows (multiples of 16)
     values = dict(num_heads=heads, stride_qt=4 * heads * head_dim, stride_qh=head_dim, stride_tb=4096 + 16)
     return compile_kernel(H.hopper_kernel, types, constexprs, arch=arch, num_warps=4, values=values,

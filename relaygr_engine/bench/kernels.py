@@ -27,7 +27,7 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
@@ -171,39 +171,26 @@ def _flashinfer_time(shape: Shape, args, kw, warmup: int, iters: int) -> tuple[O
 
 
 # ------------------------------------------------------------------------------------------------ one shape
-def _overlap_from() -> int:
-    """The least head dim of the sm_90 kernel's overlapped HSTU loop (imported only where asked for: Gluon)."""
-    from relaygr_engine.kernels._hopper import OVERLAP_FROM
-    return OVERLAP_FROM
-
-
 def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: int, persistent: bool,
               block_m: Optional[int] = None, kv_dtype: str = "model", page_reads: str = "auto",
-              splits: Union[int, str, None] = None, value_splits: Optional[int] = None,
+              splits: Optional[int] = None, value_splits: Optional[int] = None,
               concurrent_tiles: Optional[bool] = None, split_dtype: Optional[torch.dtype] = None,
-              hopper_kernel: bool = False, hopper_overlap: Optional[bool] = None) -> dict:
+              hopper_kernel: bool = False) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
     dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
     autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
     the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
-    rule; ``"fill"``: the rule it replaced, :func:`~relaygr_engine.kernels._split.fill_splits`); the row's
-    ``splits`` is the number used, ``split_rule`` which rule chose it (``auto``, ``fill`` or ``given``),
-    ``split_keys`` the keys each takes; a ``fill`` row times the kernel alone (and the matmul rate): its
-    baselines are the same shape's ``auto`` row's. ``value_splits``: programs
+    rule); the row's ``splits`` is the number used, ``split_keys`` the keys each takes. ``value_splits``: programs
     per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
     the model's when 16-bit); the row's ``split_dtype`` is what ran where the launch split (else None).
-    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``relaygr_engine/kernels/_hopper.py``);
-    ``hopper_overlap``: its HSTU key loop overlapped or not (None: by head dim;
-    :func:`~relaygr_engine.kernels._hopper_launch.overlap`), the row's ``hopper_overlap`` (only where the sm_90 kernel
-    runs)."""
-    from relaygr_engine.kernels import _hopper_launch as HL
+    ``hopper_kernel``: tiles' full cached blocks on the sm_90 kernel (``relaygr_engine/kernels/_hopper.py``)."""
     from relaygr_engine.kernels._prefix_config import autotuned_choices, tma_device
-    from relaygr_engine.kernels._split import fill_splits, split_dtype as partials_dtype, split_layout
-    from relaygr_engine.kernels.prefix_attention import (plan_prefix_attention, prefix_attention, reset_autotuning,
-                                                          schedule)
+    from relaygr_engine.kernels._split import split_dtype as partials_dtype
+    from relaygr_engine.kernels._prefix_plan import schedule
+    from relaygr_engine.kernels.prefix_attention import plan_prefix_attention, prefix_attention, reset_autotuning
 
     args, kw = problem(shape, device, dtype, contiguous=False)
     gq, gk, gv, mask, rab = _gathered(args, kw, shape)
@@ -214,11 +201,6 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     plan_of = lambda a: plan_prefix_attention(**{n: a[n] for n in meta}, kv_cache=a["kv_cache"],  # noqa: E731
                                               block_m=block_m)
     plan = plan_of(args)
-    rule = "auto" if splits is None else "fill" if splits == "fill" else "given"
-    if rule == "fill":  # (the former rule's count for this plan, trimmed as a chosen count is, given as a count)
-        work = plan.num_tiles * shape.heads * (value_splits or 1)
-        splits = split_layout(device, work, plan.max_context_len,
-                              target=fill_splits(device, work, plan.max_context_len))[0]
     run = lambda a, k, p, r=page_reads, s=splits: prefix_attention(  # noqa: E731
         **a, **k, persistent=persistent, plan=p, page_reads=r, splits=s, value_splits=value_splits,
         concurrent_tiles=concurrent_tiles, split_dtype=split_dtype, hopper_kernel=hopper_kernel)
@@ -227,9 +209,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
                                                    value_splits=value_splits, concurrent_tiles=concurrent_tiles,
                                                    hopper_dim=shape.head_dim if hopper_kernel else 0)
     reset_autotuning()  # the paged and contiguous problems are tuned on this shape, the recompute one on its own
-    with HL.overlap(hopper_overlap):  # (the paged problem's result and time: what the row's loop setting is about)
-        out = run(args, kw, plan)
-        t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
+    out = run(args, kw, plan)
+    t_paged = _time(lambda: run(args, kw, plan), device, warmup, iters)
     base = _dense_baseline(gq, gk, gv, mask, rab, kw)                       # [B, H, rows, D]
     base = base.transpose(1, 2).reshape(out.shape)
     err = float((out.float() - base.float()).abs().max())
@@ -238,15 +219,11 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
     flops = 4 * shape.heads * shape.head_dim * shape.visible_pairs()
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (shape.users * shape.prefix * 2 + 4 * args["q"].shape[0]) * shape.heads * shape.head_dim * elt
-    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_rule=rule,
-               split_keys=split_keys,
+    row = dict(shape=shape.name, **asdict(shape), block_m=used_m, splits=used_splits, split_keys=split_keys,
                value_splits=value_splits, concurrent=concurrent, hopper_kernel=hopper_kernel,
-               **({"hopper_overlap": hopper_overlap} if hopper_kernel else {}),
                split_dtype=SHORT_DTYPE_NAMES[partials_dtype(split_dtype, dtype, device)] if used_splits > 1 else None,
                time_ms=t_paged * 1e3, tflops=flops / t_paged / 1e12, gbps=nbytes / t_paged / 1e9, max_abs_err=err,
                autotuned=chosen)
-    if rule == "fill":  # a comparison row: its kernel's time and error (and matmul rate); the baselines are auto's
-        return _beside_matmul(row, flops, device, warmup, iters, None)
     (cargs, _), (rargs, rkw) = problem(shape, device, dtype, contiguous=True), _recompute_problem(shape, device, dtype)
     cplan, rplan = plan_of(cargs), plan_of(rargs)
     t_contig = _time(lambda: run(cargs, kw, cplan), device, warmup, iters)
@@ -273,13 +250,13 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
 
 
 def _beside_matmul(row: dict, flops: float, device: torch.device, warmup: int, iters: int,
-                   flashinfer: Optional[Callable]) -> dict:
+                   flashinfer: Callable) -> dict:
     """``row`` with, on CUDA, the bf16 matmul rate of its FLOPs measured now (``matmul_fraction``) and FlashInfer's
-    time (``flashinfer()``: ``(seconds or None, note)``; None: not timed for this row)."""
+    time (``flashinfer()``: ``(seconds or None, note)``)."""
     if device.type == "cuda":
         mm = _matmul_tflops(flops, device, torch.bfloat16, warmup, iters)
         row.update(matmul_tflops=mm, matmul_fraction=row["tflops"] / mm)
-        t_fi, note = flashinfer() if flashinfer is not None else (None, "not timed")
+        t_fi, note = flashinfer()
         row.update(flashinfer_ms=None if t_fi is None else t_fi * 1e3, flashinfer_note=note,
                    speedup_vs_flashinfer=None if t_fi is None else t_fi * 1e3 / row["time_ms"])
     return row
@@ -329,9 +306,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "head dim; page=64 by default), e.g. one layer of a ranking at NVIDIA's HSTU shape")
     ap.add_argument("--splits", default="auto",
                     help="programs per tile and head over its keys (cached prefix, then new history): auto (the "
-                         "launcher's rule: the fewest waves of programs), fill (the rule it replaced: about two "
-                         "programs per SM) and/or a comma-separated list to compare, e.g. auto,fill,1,7,15 (each "
-                         "shape runs once per value)")
+                         "launcher's rule: the fewest waves of programs) and/or a comma-separated list to compare, "
+                         "e.g. auto,1,7,15 (each shape runs once per value)")
     ap.add_argument("--value-splits", default="auto",
                     help="programs per tile over its value columns: auto (autotuned on CUDA: 1 or 2 above head dim "
                          "128; 1 elsewhere) and/or a comma-separated list of powers of two to compare, e.g. auto,1,2")
@@ -347,11 +323,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="tiles' full cached blocks on the warp-specialised sm_90 kernel (yes; HSTU and softmax) "
                          "or the portable one (no): comma-separated to compare, e.g. no,yes (yes: an sm_90 GPU "
                          "only)")
-    ap.add_argument("--hopper-overlap", default="auto",
-                    help="with --hopper-kernel yes, its HSTU key loop as by default (auto: one block after the "
-                         "other, or overlapped where RELAYGR_HOPPER_OVERLAP=1), one block after the other (no), or "
-                         "overlapped in FlashAttention-3's order (yes; head dim >= 128): comma-separated to compare "
-                         "in one run, e.g. auto,yes")
     ap.add_argument("--summarize", nargs="+", metavar="JSON",
                     help="run nothing: print the table and RESULT line of these --json outputs of one device and "
                          "dtype together (and with --json write them as one)")
@@ -376,8 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     block_ms = _int_list(ap, "--block-m", opts.block_m, lambda b: b >= 16 and not b & (b - 1), "powers of two >= 16")
     from relaygr_engine.kernels._split import MAX_SPLITS
 
-    splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]",
-                       words=("fill",))
+    splits = _int_list(ap, "--splits", opts.splits, lambda x: 1 <= x <= MAX_SPLITS, f"integers in [1, {MAX_SPLITS}]")
     v_splits = _int_list(ap, "--value-splits", opts.value_splits, lambda v: v >= 1 and not v & (v - 1),
                          "powers of two")
     custom = [_shape(ap, spec, m) for spec in opts.shape or () for m in modes]
@@ -395,14 +365,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     hoppers = _choices(ap, "--hopper-kernel", opts.hopper_kernel, {"no": False, "yes": True})
     if True in hoppers and cpu:
         ap.error("--hopper-kernel yes needs an sm_90 GPU")
-    overlaps = _choices(ap, "--hopper-overlap", opts.hopper_overlap, {"auto": None, "no": False, "yes": True})
-    if "fill" in splits and None not in splits:
-        ap.error("--splits fill is timed beside the launcher's rule: give auto too (e.g. --splits auto,fill)")
-    if "fill" in splits and True in hoppers:
-        ap.error("--splits fill is the portable kernel's former split rule: not with --hopper-kernel yes (the sm_90 "
-                 "kernel has its own)")
-    if overlaps != [None] and True not in hoppers:
-        ap.error("--hopper-overlap compares the sm_90 kernel's loops: it needs --hopper-kernel yes")
     dtype = torch.float32 if cpu else torch.bfloat16
     warmup = opts.warmup if opts.warmup is not None else (0 if cpu else 3)
     iters = opts.iters if opts.iters is not None else (1 if cpu else 20)
@@ -419,17 +381,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"warmup={warmup} iters={iters}")
     print(S.header(device.type == "cuda"))
     rows = []
-    runs = [(hk, ov) for hk in hoppers for ov in (overlaps if hk else [None])]
-    overlap_from = _overlap_from() if True in overlaps else None
-    for shape, block_m, n_splits, n_v, cc, sd, (hk, ov) in itertools.product(shapes, block_ms, splits, v_splits,
-                                                                             concurrent, split_dtypes, runs):
-        if ov and (shape.mode != "hstu" or shape.head_dim < overlap_from):
-            continue  # (the overlapped loop is HSTU's, from head dim 128 on: no such row elsewhere)
+    for shape, block_m, n_splits, n_v, cc, sd, hk in itertools.product(shapes, block_ms, splits, v_splits, concurrent,
+                                                                       split_dtypes, hoppers):
         try:
             r = run_shape(shape, device, dtype, warmup=warmup, iters=iters, persistent=opts.persistent,
                           block_m=block_m, kv_dtype=opts.kv_dtype, page_reads=opts.page_reads, splits=n_splits,
-                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd, hopper_kernel=hk,
-                          hopper_overlap=ov)
+                          value_splits=n_v, concurrent_tiles=cc, split_dtype=sd, hopper_kernel=hk)
         except ValueError as exc:  # a shape this device or --page-reads cannot run
             print(f"error: {shape.name}: {exc}", file=sys.stderr)
             return 2
@@ -439,24 +396,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      kv_dtype=opts.kv_dtype), opts.json, printed=True)
 
 
-def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool], what: str,
-              words: tuple = ()) -> list:
-    """The comma-separated values of ``text``: None for 'auto', a word of ``words`` as itself, else integers (a
-    usage error unless all are ``what``)."""
+def _int_list(ap: ArgumentParser, flag: str, text: str, ok: Callable[[int], bool], what: str) -> list:
+    """The comma-separated values of ``text``: None for 'auto', else integers (a usage error unless all are
+    ``what``)."""
     values = []
     for x in (t.strip() for t in text.split(",")):
         if x == "auto":
             values.append(None)
-        elif x in words:
-            values.append(x)
         elif x.isdigit() and ok(int(x)):
             values.append(int(x))
         elif x:
             values = []
             break
     if not values:
-        ap.error(f"{flag} must be {', '.join(repr(w) for w in ('auto', *words))} and/or {what}, comma-separated, "
-                 f"got {text!r}")
+        ap.error(f"{flag} must be 'auto' and/or {what}, comma-separated, got {text!r}")
     return values
 
 

@@ -12,12 +12,10 @@ __all__ = ["header", "load_rows", "result_line", "row_line", "summarize"]
 NOTE = ("vs_gath: time of the same attention on gathered contiguous K/V (softmax: SDPA; hstu: dense torch) over the "
         "paged kernel's; vs_recomp: no-cache kernel time over cached; paged_ovh: scattered vs consecutive pages; "
         "plan_ms: building the tile schedule (once per forward, not included in ms); S: programs per tile and head "
-        "over the cached prefix (split-prefix; f: the count of the rule the launcher's replaced, --splits fill); V: "
-        "programs per tile over its value columns (a: autotuned); cc: "
+        "over the cached prefix (split-prefix); V: programs per tile over its value columns (a: autotuned); cc: "
         "history and candidate tiles launched on two streams at once (y) or one after the other (n); SD: the split "
-        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y; s / o: its HSTU loop forced one "
-        "block after the other / overlapped) or the portable one (n). On CUDA every time is GPU time: a CUDA-graph "
-        "replay after an L2 flush.")
+        "partials' dtype; hk: tiles' full cached blocks on the sm_90 kernel (y) or the portable one (n). On CUDA "
+        "every time is GPU time: a CUDA-graph replay after an L2 flush.")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -40,8 +38,7 @@ def row_line(r: dict) -> str:
     keys each split takes, ``cc``, whether the two kinds of tile ran concurrently, and ``SD``, the split partials'
     dtype, where the row has them)."""
     v = r.get("value_splits")
-    fill = "f" if r.get("split_rule") == "fill" else ""
-    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd') + fill:>3} "
+    line = (f"{r['shape']:<62} {r['block_m']:>4} {_fmt(r.get('splits'), 'd'):>3} "
             f"{_fmt(r.get('split_keys'), 'd'):>6} "
             f"{'a' if v is None else v:>2} {'-' if 'concurrent' not in r else 'yn'[not r['concurrent']]:>2} "
             f"{r.get('split_dtype') or '-':>4} "
@@ -58,34 +55,24 @@ def row_line(r: dict) -> str:
 
 
 def _cell(r: dict, key: str, spec: str, unit: str = "") -> str:
-    """A baseline's cell of the table: ``-`` where the row has none (a ``--splits fill`` row: its shape's auto row
-    has them)."""
+    """A baseline's cell of the table: ``-`` where the row has none."""
     value = r.get(key)
     return _fmt(value, spec) + (unit if value is not None else "")
 
 
-_LOOPS = {None: "auto", False: "no", True: "yes"}  # --hopper-overlap's values, by the rows' hopper_overlap
-
-
 def _hopper_cell(r: dict) -> str:
-    """The ``hk`` column: n (the portable kernel), y (the sm_90 kernel as by default), s / o (its HSTU loop forced
-    sequential / overlapped), - (not said)."""
-    if "hopper_kernel" not in r:
-        return "-"
-    return {False: "s", True: "o"}.get(r.get("hopper_overlap"), "ny"[bool(r["hopper_kernel"])])
+    """The ``hk`` column: n (the portable kernel), y (the sm_90 kernel), - (not said)."""
+    return "ny"[bool(r["hopper_kernel"])] if "hopper_kernel" in r else "-"
 
 
 def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "model") -> dict:
-    """The RESULT fields of ``rows`` (one run's, or several runs' of one device and dtype). Rows of the former split
-    rule (``--splits fill``) are a comparison: only their own fields (``geomean_ms_split_fill``,
-    ``matmul_fraction_long_<mode>_fill``) and the largest error count them."""
+    """The RESULT fields of ``rows`` (one run's, or several runs' of one device and dtype)."""
     cpu = device.startswith("cpu")
-    every, rows = rows, [r for r in rows if r.get("split_rule") != "fill"] or rows
     modes = sorted({r["mode"] for r in rows})
     block_ms = sorted({r["block_m"] for r in rows})
     sm = [r["speedup_vs_gathered"] for r in rows if r["mode"] == "softmax"]
-    summary = dict(device=device, interpreter=int(cpu), dtype=dtype, shapes=len(every),
-                   max_abs_err=max(r["max_abs_err"] for r in every),
+    summary = dict(device=device, interpreter=int(cpu), dtype=dtype, shapes=len(rows),
+                   max_abs_err=max(r["max_abs_err"] for r in rows),
                    min_speedup_vs_sdpa=min(sm) if sm else None, geomean_speedup_vs_sdpa=_geo(sm),
                    geomean_speedup_vs_recompute=_geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
@@ -102,37 +89,21 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
     # One geomean per value of a compared setting, to compare them in one run: split counts, value splits (auto:
     # the autotuner's choice), two streams vs one, the split partials in 16 bits vs fp32.
     summary.update(_geomean_by(rows, "splits", lambda n: f"s{n}"))
-    summary.update(_geomean_by([r for r in every if r.get("split_rule") != "given"], "split_rule",
-                               lambda rule: f"split_{rule}"))  # (the two rules; fixed counts are s<N> above)
     summary.update(_geomean_by(rows, "value_splits", lambda n: f"v{n or 'auto'}", keep_none=True))
     summary.update(_geomean_by(rows, "concurrent", lambda c: f"cc{'yn'[not c]}"))
     summary.update(_geomean_by(rows, "split_dtype", lambda sd: f"sd_{sd}"))
-    # (the sm_90 kernel as it runs by default in hopper_yes; its HSTU loop forced one way apart, where compared)
-    usual = [r for r in rows if r.get("hopper_overlap") is None]
-    summary.update(_geomean_by(usual, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
-    summary.update(_geomean_by(rows, "hopper_overlap", lambda ov: f"hopper_overlap_{_LOOPS[ov]}", keep_none=True))
+    summary.update(_geomean_by(rows, "hopper_kernel", lambda hk: f"hopper_{'yes' if hk else 'no'}"))
     if all("matmul_fraction" in r for r in rows) and not cpu:
         summary["min_matmul_fraction"] = min(r["matmul_fraction"] for r in rows)
         # The long shapes: prefix >= 4096, >= 256 query rows per user, batch >= 4 (each beside the matmul rate
         # measured in its run for its own FLOPs).
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
-        # (Rows of the former split rule, where a run compares it, in their own field: ..._<mode>_fill.)
-        long_of = lambda rs: [r for r in rs if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256  # noqa: E731
-                              and r["users"] >= 4]
-        long, fills = long_of(rows), [r for r in long_of(every) if r.get("split_rule") == "fill"]
+        long = [r for r in rows if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256 and r["users"] >= 4]
         for m in modes:
-            got = [r["matmul_fraction"] for r in fills if r["mode"] == m and not r.get("hopper_kernel")]
-            if got:
-                summary[f"matmul_fraction_long_{m}_fill"] = _geo(got)
             for hk in (False, True):
-                picked = [r["matmul_fraction"] for r in long if r["mode"] == m
-                          and bool(r.get("hopper_kernel")) == hk and r.get("hopper_overlap") is None]
+                picked = [r["matmul_fraction"] for r in long if r["mode"] == m and bool(r.get("hopper_kernel")) == hk]
                 if picked or not hk:
                     summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
-            for forced, tag in ((False, "seq"), (True, "overlap")):  # (--hopper-overlap no / yes: sm_90 rows only)
-                got = [r["matmul_fraction"] for r in long if r["mode"] == m and r.get("hopper_overlap") is forced]
-                if got:
-                    summary[f"matmul_fraction_long_{m}_hopper_{tag}"] = _geo(got)
     return summary
 
 

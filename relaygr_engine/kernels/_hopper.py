@@ -16,14 +16,9 @@ one warp group of 64 rows and one loader warp:
 - the **compute** warp group multiplies ``q`` (shared memory) by the block's K (``wgmma``, asynchronous), turns the
   scores into weights, multiplies them by V into its fp32 accumulator, and frees each buffer once its product is
   done, without a CTA barrier: two or three programs on one SM (``maxnreg`` sized for it) interleave their
-  tensor-core and special-function phases. On request (:func:`overlaps`) HSTU's loop also overlaps within the warp
-  group (FlashAttention-3's order): block ``i + 1``'s QK product is issued before block ``i``'s SiLU and runs on
-  the tensor cores while it is computed, and block ``i``'s P.V product runs on into the next block's (HSTU's
-  accumulator is a plain sum: no rescale has to wait for it). K's buffers free as soon as their QK product is done,
-  V's after their P.V product, so two stages of each suffice: K of block ``i + 1`` needs only the buffer of block
-  ``i - 1``, freed one block earlier. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2`` (one ``tanh.approx``); softmax:
-  FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score; the accumulator rescaled in
-  registers only when a row's running max grows by a factor of more than 2^8).
+  tensor-core and special-function phases. HSTU: ``SiLU(h) = h + h tanh(h)`` with ``h = s * scale / 2 + bias / 2``
+  (one ``tanh.approx``); softmax: FlashAttention's online softmax in the log2 domain (one ``ex2.approx`` a score;
+  the accumulator rescaled in registers only when a row's running max grows by a factor of more than 2^8).
 
 The rest of a tile's keys (the prefix's last partial block, the new history rows, a candidate's own key) is the
 portable kernel's (``SKIP_FULL``): it writes them as one more split partial, slot ``S`` of the partials, while this
@@ -34,14 +29,16 @@ kernel's programs write slots ``0 .. S-1``, one split each; the two launches sha
 Gluon has no CPU interpreter: the kernel is compiled for sm_90 offline in the tests (registers, spills, shared
 memory), and checked against the torch reference on a GPU only (``python_tests/test_hopper.py``).
 
-Opt-in (:mod:`relaygr_engine.kernels._hopper_launch`): right on an H100 and an H200, but not faster than the
-portable kernel in a ranking (measured: ``benchmarks/results/gpu-h100-2026-11-26/``,
-``benchmarks/results/gpu-h100-2026-11-26b/``).
+Opt-in (:mod:`relaygr_engine.kernels._hopper_launch`): right on an H100 and an H200, faster than the portable
+kernel on the long HSTU shapes (geomean 0.2988 vs 0.3483 ms, ``benchmarks/results/gpu-h200-2026-11-26b/``) but
+not in a ranking (1.65 vs 1.30 ms, ``benchmarks/results/gpu-h100-2026-11-26/``). Its key loop runs one block after
+the other: a loop overlapping block ``i``'s SiLU with block ``i + 1``'s QK product (FlashAttention-3's order) was
+right but slower (a ranking layer 0.066 vs 0.058 ms, ``benchmarks/results/gpu-h200-2026-11-26/``; the long HSTU
+shapes 0.3658 vs 0.2988 ms geomean, ``benchmarks/results/gpu-h200-2026-11-26b/``) and was removed.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -60,10 +57,6 @@ SUB_M = gl.constexpr(64)  # rows of a program: one warp group's wgmma height
 # overflow), and a block skips the rescale's D / 2 multiplies a thread (a third of the loop's code at head dim 256).
 # The stored (m, l) pair merges the same.
 RESCALE_AT = gl.constexpr(8.0)
-# HSTU overlaps a block's SiLU with the next block's QK product from this head dim on (:func:`overlaps`): below, the
-# two blocks' scores (and a history tile's biases) do not fit the registers that three programs an SM leave (at 64:
-# spills).
-OVERLAP_FROM = 128
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the loader warp (the minimum: it holds a few scalars)
 
 
@@ -188,51 +181,10 @@ def _tanh(x):
 
 
 @gluon.jit
-def _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blocks, scale, p_layout: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr,
-                     PART: gl.constexpr, O_PARTS: gl.constexpr):
-    """HSTU's key blocks ``0 .. n_blocks - 1`` (at least 2) in FlashAttention-3's order: block ``i + 1``'s QK
-    product is issued before block ``i``'s SiLU, and block ``i``'s P.V product runs on while block ``i + 1``'s
-    starts. After each P.V is issued the warp group waits until only that one is outstanding (oldest first: block
-    ``i - 1``'s P.V, block ``i + 1``'s QK, block ``i``'s P.V, ``O_PARTS`` groups per P.V), so the scores it reads
-    next and the buffers it frees are done. The accumulators stay in flight from one block's P.V to the next
-    (nothing else reads them) until the last wait; returns them."""
-    s = warpgroup_mma_wait(0, deps=(_qk(q_smem, k_bufs, bars, s0, 0, STAGES), ))
-    mbarrier.arrive(_bar(bars, FREE, 0, 0, STAGES), count=1)
-    bias = _bias(tb, lo, True, HAS_BIAS)  # (each block's loaded a block ahead, while a product runs)
-    s_next = _qk(q_smem, k_bufs, bars, s0, 1, STAGES)
-    bias_next = _bias(tb, lo + BLOCK_N, True, HAS_BIAS)
-    p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
-    acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, 0, STAGES, PART, O_PARTS)
-    s = warpgroup_mma_wait(O_PARTS, deps=(s_next, ))
-    mbarrier.arrive(_bar(bars, FREE, 0, 1, STAGES), count=1)
-    bias = bias_next
-    for i in range(1, n_blocks - 1):
-        s_next = _qk(q_smem, k_bufs, bars, s0, i + 1, STAGES)
-        bias_next = _bias(tb, lo + (i + 1) * BLOCK_N, True, HAS_BIAS)
-        p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
-        acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, i, STAGES, PART, O_PARTS)
-        s = warpgroup_mma_wait(O_PARTS, deps=(s_next, ))
-        mbarrier.arrive(_bar(bars, FREE, 0, (i + 1) % STAGES, STAGES), count=1)
-        mbarrier.arrive(_bar(bars, FREE, 1, (i - 1) % STAGES, STAGES), count=1)
-        bias = bias_next
-    last = n_blocks - 1
-    p = gl.convert_layout(_hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES).to(q_smem.dtype), p_layout)
-    acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, last, STAGES, PART, O_PARTS)
-    if O_PARTS == 1:
-        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
-    else:
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-    mbarrier.arrive(_bar(bars, FREE, 1, (last - 1) % STAGES, STAGES), count=1)
-    mbarrier.arrive(_bar(bars, FREE, 1, last % STAGES, STAGES), count=1)
-    return acc0, acc1
-
-
-@gluon.jit
 def _attend_blocks(q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo, n_blocks,
                    scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HSTU: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, OVERLAP: gl.constexpr, S_LAYOUT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr, S_LAYOUT: gl.constexpr,
                    O_LAYOUT: gl.constexpr, O_PARTS: gl.constexpr):
     """The compute warp group: the key blocks' weighted values in fp32, stored as this split's partial ``[64, D]``
     of the head. HSTU: ``sum_j SiLU(q.k_j scale + bias_j) v_j``, ``SiLU`` as ``h + h tanh(h)`` of ``h`` halved
@@ -257,43 +209,32 @@ def _attend_blocks(q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_
         tb_rows = tb_row0 + gl.arange(0, SUB_M, layout=row_layout)
         tb = tb_ptr + gl.expand_dims(tb_rows.to(gl.int64) * stride_tb, 1) + gl.expand_dims(offs_n, 0)  # [64, BN]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    if HSTU and OVERLAP:
-        if n_blocks > 1:  # block i's SiLU while block i + 1's QK product runs; block i's P.V runs on into i + 1's
-            acc0, acc1 = _hstu_overlapped(q_smem, k_bufs, v_bufs, bars, s0, acc0, acc1, tb, lo, n_blocks, scale,
-                                          p_layout, BLOCK_N, STAGES, HAS_BIAS, CAND_TILES, PART, O_PARTS)
-        elif n_blocks == 1:
-            s = warpgroup_mma_wait(0, deps=(_qk(q_smem, k_bufs, bars, s0, 0, STAGES), ))
-            mbarrier.arrive(_bar(bars, FREE, 0, 0, STAGES), count=1)
-            p = _hstu_weights(s, _bias(tb, lo, True, HAS_BIAS), scale, HAS_BIAS, CAND_TILES)
-            acc0, acc1 = _pv(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_bufs, bars, acc0, acc1, 0, STAGES,
-                             PART, O_PARTS)
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-            mbarrier.arrive(_bar(bars, FREE, 1, 0, STAGES), count=1)
-    else:  # one block after the other (softmax's rescale reads the accumulator, so no P.V may run on)
-        for i in range(n_blocks):
-            s = _qk(q_smem, k_bufs, bars, s0, i, STAGES)
-            bias = _bias(tb, lo + i * BLOCK_N, True, HAS_BIAS)  # (loaded while the product runs)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(_bar(bars, FREE, 0, i % STAGES, STAGES), count=1)
-            if HSTU:
-                p = _hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES)
-            else:
-                x = s * (scale * LOG2E)
-                m_new = gl.maximum(m_i, gl.max(x, axis=1))
-                if gl.max(m_new - m_i, axis=0) > RESCALE_AT:  # (else every row's weights stay below 2^RESCALE_AT)
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha
-                    m_i = m_new
-                    alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
-                    acc0 = acc0 * alpha_o
-                    if O_PARTS == 2:
-                        acc1 = acc1 * alpha_o
-                p = gl.exp2(x - gl.expand_dims(m_i, 1))
-                l_i = l_i + gl.sum(p, axis=1)
-            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, i, STAGES, PART, O_PARTS)
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-            mbarrier.arrive(_bar(bars, FREE, 1, i % STAGES, STAGES), count=1)
+    # one block after the other: its QK product, its weights, its P.V product (softmax's rescale reads the
+    # accumulator)
+    for i in range(n_blocks):
+        s = _qk(q_smem, k_bufs, bars, s0, i, STAGES)
+        bias = _bias(tb, lo + i * BLOCK_N, True, HAS_BIAS)  # (loaded while the product runs)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(_bar(bars, FREE, 0, i % STAGES, STAGES), count=1)
+        if HSTU:
+            p = _hstu_weights(s, bias, scale, HAS_BIAS, CAND_TILES)
+        else:
+            x = s * (scale * LOG2E)
+            m_new = gl.maximum(m_i, gl.max(x, axis=1))
+            if gl.max(m_new - m_i, axis=0) > RESCALE_AT:  # (else every row's weights stay below 2^RESCALE_AT)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+                acc0 = acc0 * alpha_o
+                if O_PARTS == 2:
+                    acc1 = acc1 * alpha_o
+            p = gl.exp2(x - gl.expand_dims(m_i, 1))
+            l_i = l_i + gl.sum(p, axis=1)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc0, acc1 = _pv(p, v_bufs, bars, acc0, acc1, i, STAGES, PART, O_PARTS)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        mbarrier.arrive(_bar(bars, FREE, 1, i % STAGES, STAGES), count=1)
 
     # The partial: HSTU's over N, softmax's over its running sum (the split merge weighs it by m_i and l_i).
     if HSTU:
@@ -338,7 +279,6 @@ def hopper_kernel(
     num_heads, num_splits, split_len, total_q, stride_qt, stride_qh, stride_tb, scale, inv_norm,
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HSTU: gl.constexpr, HAS_BIAS: gl.constexpr, CAND_TILES: gl.constexpr,
-    OVERLAP: gl.constexpr,                            # HSTU: block i's SiLU beside block i + 1's QK (overlaps())
     M_PARTS: gl.constexpr,                            # programs per tile: its rows in parts of 64
     Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     O_PARTS: gl.constexpr,                            # accumulators of D / O_PARTS value columns (2 above D = 128)
@@ -366,8 +306,7 @@ def hopper_kernel(
     gl.warp_specialize([
         (_attend_blocks, (q_smem, k_bufs, v_bufs, bars, tb_ptr, tb_row0, stride_tb, ws_ptr, ml_ptr, lo,
                           n_blocks, scale, inv_norm, split, head, num_heads, total_q, q_start, row0, row_end,
-                          BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, OVERLAP, S_LAYOUT, O_LAYOUT,
-                          O_PARTS)),
+                          BLOCK_N, HEAD_DIM, STAGES, HSTU, HAS_BIAS, CAND_TILES, S_LAYOUT, O_LAYOUT, O_PARTS)),
         (_load_blocks, (kv_desc, kv_indices_ptr, k_bufs, v_bufs, bars, page_lo, lo, n_blocks, head,
                         PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
     ], [1], [LOADER_REGS])
@@ -382,16 +321,6 @@ def hopper_kernel(
 # 227 KB): head dim 64 three (80 registers, 57 KB), 128 two (128, 82 KB), 256 two (128, 98 KB: 32-key blocks).
 # Static figures (``python -m benchmarks.tools.ptxas --hopper``): no spill at these with Triton 3.6 or 3.9.
 CONFIGS = {64: (64, 3, 80), 128: (64, 2, 128), 256: (32, 2, 128)}
-
-
-def overlaps(head_dim: int, hstu: bool, setting: Optional[bool] = None) -> bool:
-    """Whether a launch runs HSTU's overlapped key loop (the ``OVERLAP`` constexpr): only where ``setting`` is
-    True, from head dim :data:`OVERLAP_FROM` on (below, it spills: refused); never for softmax. By default (None)
-    the sequential loop, one block after the other, the faster: the overlapped loop is right but 14% slower in a
-    ranking layer (measured: ``benchmarks/results/gpu-h200-2026-11-26/``)."""
-    if setting and head_dim < OVERLAP_FROM:
-        raise ValueError(f"the overlapped HSTU loop needs head dim >= {OVERLAP_FROM}, got {head_dim}")
-    return hstu and bool(setting)
 
 
 @functools.lru_cache(maxsize=None)  # (built once per shape: a launch passes them every call)

@@ -2,8 +2,9 @@
 the portable kernel's, and a pure-torch twin of what it writes (its offline compile for sm_90:
 :mod:`benchmarks.tools.ptxas_hopper`).
 
-It is opt-in, right on an H100 and an H200 but not faster than the portable kernel in a ranking (measured:
-``benchmarks/results/gpu-h100-2026-11-26/``, ``benchmarks/results/gpu-h100-2026-11-26b/``):
+It is opt-in: right on an H100 and an H200, faster than the portable kernel on the long HSTU shapes (geomean 0.2988
+vs 0.3483 ms, ``benchmarks/results/gpu-h200-2026-11-26b/``) but slower in a ranking (1.65 vs 1.30 ms,
+``benchmarks/results/gpu-h100-2026-11-26/``):
 ``prefix_attention(..., hopper_kernel=True)`` (``ValueError`` naming why where it cannot run) or
 ``RELAYGR_HOPPER_KERNEL=1`` (used where it can, the portable kernel elsewhere). Where its compile or launch raises,
 it is off for the rest of the process (logged once, :func:`why_not` says why), and a call that had not asked for it
@@ -11,7 +12,6 @@ explicitly runs again on the portable kernel alone (:func:`falls_back`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from typing import Optional
@@ -34,25 +34,6 @@ ENV = "RELAYGR_HOPPER_KERNEL"
 log = logging.getLogger(__name__)
 _failed: Optional[str] = None  # why the kernel is off for this process (its compile or launch raised)
 _launches = 0  # its launches in this process that returned (eager calls and graph captures: a replay runs no Python)
-# ``RELAYGR_HOPPER_OVERLAP=1``: HSTU's overlapped key loop where it applies, from head dim 128 (FlashAttention-3's
-# order; right, but 14% slower than the sequential default in a ranking layer, measured:
-# benchmarks/results/gpu-h200-2026-11-26/; kept to time it on other chips and Tritons).
-OVERLAP_ENV = "RELAYGR_HOPPER_OVERLAP"
-# HSTU's key loop: None the default (sequential, _hopper.overlaps), True overlapped, False sequential; see overlap()
-_overlap: Optional[bool] = True if env_flag(OVERLAP_ENV) else None
-
-
-@contextlib.contextmanager
-def overlap(setting: Optional[bool]):
-    """Within: launches run HSTU's key loop overlapped (from head dim 128) or not as ``setting`` says (None: the
-    default, :func:`~relaygr_engine.kernels._hopper.overlaps`), to time the two in one run (``relaygr bench kernels
-    --hopper-overlap auto,yes``). Not for serving: CUDA graphs captured within keep the loop they captured."""
-    global _overlap
-    previous, _overlap = _overlap, setting
-    try:
-        yield
-    finally:
-        _overlap = previous
 
 
 class LaunchError(RuntimeError):
@@ -225,8 +206,7 @@ def _launch(q, ws, ml, kv_cache, kv_indices, kv_indptr, kv_last_page_len, cu_seq
             tiles[1], tb, num_heads, num_splits, split_len, total_q, q.stride(0), q.stride(1),
             0 if table is None else table.stride(0), scale, inv_norm,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=bn, STAGES=stages, HSTU=hstu, HAS_BIAS=table is not None,
-            CAND_TILES=cand, OVERLAP=H.overlaps(head_dim, hstu, _overlap if head_dim >= H.OVERLAP_FROM else None),
-            M_PARTS=parts,
+            CAND_TILES=cand, M_PARTS=parts,
             **H.layouts(head_dim, bn, gdtype), num_warps=4, maxnreg=maxnreg)
     global _launches
     _launches += 1

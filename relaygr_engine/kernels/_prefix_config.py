@@ -68,34 +68,29 @@ def _fit_descriptor(nargs) -> None:
         nargs["kv_desc"].block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
 
 
-CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=w, num_stages=s,
-                               pre_hook=_fit_descriptor)
-                for tma in (False, True) for w in (CUDA_NUM_WARPS, 4) for bn in (32, 64) for s in (2, 3)]
-# One warp group per 64 rows: a 128-row tile as two 4-warp programs (M_SPLITS), no score computed twice; up to head
-# dim 128 they compile spill-free and two to four fit on an SM (``benchmarks/results/ptxas-sm90-row-splits.txt``).
-CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 2}, num_warps=4, num_stages=s,
-                               pre_hook=_fit_descriptor)
-                 for tma in (False, True) for bn in (32, 64) for s in (2, 3)]
-# Value splits (V_SPLITS programs share a tile, each with D / V_SPLITS of its value columns): pointer reads only, the
-# configs that compile spill-free at head dim 256 (warps, BLOCK_N, stages; ``_clean_value_split``). The 4-warp one
-# (one warp group, two programs per SM) takes 64 rows: a 64-row tile whole, a 128-row tile as two programs of 64
-# rows each (M_SPLITS), so the autotuner weighs it against the 8-warp configs at the launcher's 128-row tiles.
+# The autotune space: the configs some GPU run's autotuner chose for a variant (docs/kernels.md, "The autotune space",
+# says which runs), as (warps, BLOCK_N, stages, TMA, V_SPLITS, M_SPLITS); ``prune_configs`` keeps those of a
+# variant that compile spill-free. 4 warps are one warp group: a 64-row tile whole, or a 128-row one as two
+# programs of 64 rows (``M_SPLITS``: no score computed twice; two to four fit an SM up to head dim 128,
+# ``benchmarks/results/ptxas-sm90-row-splits.txt``). Value splits (``V_SPLITS`` programs share a tile, each with
+# D / V_SPLITS of its value columns) read through pointers; offered above head dim 128 (``_clean_value_split``).
 AUTOTUNE_V_SPLITS = (1, 2)
-CUDA_CONFIGS += [triton.Config({"BLOCK_N": bn, "TMA": False, "V_SPLITS": 2, "M_SPLITS": m}, num_warps=w, num_stages=s)
-                 for w, bn, s, m in ((CUDA_NUM_WARPS, 32, 2, 1), (CUDA_NUM_WARPS, 32, 3, 1), (CUDA_NUM_WARPS, 64, 2, 1),
-                                     (4, 32, 2, 1), (4, 32, 2, 2))]
-# Registers capped (ptx .maxnreg): uncapped, candidate tiles take 152-212 registers a thread at head dim 64, so one
-# 8-warp program fills an SM's registers; capped at 128, two fit, and 32-key blocks at 2 stages still compile
-# spill-free there (both modes, both page reads; ``benchmarks/results/ptxas-sm90-capped.txt``). At head dim 128 they
-# spill kilobytes: offered for candidate tiles up to head dim 64, pages in the model's dtype.
-CAPPED_REGS = 128
-CUDA_CONFIGS += [triton.Config({"BLOCK_N": 32, "TMA": tma, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=CUDA_NUM_WARPS,
-                               num_stages=2, maxnreg=CAPPED_REGS, pre_hook=_fit_descriptor) for tma in (False, True)]
+CHOSEN_CONFIGS = (
+    (8, 32, 2, False, 1, 1), (8, 32, 2, True, 1, 1), (8, 32, 3, False, 1, 1), (8, 32, 3, True, 1, 1),
+    (8, 64, 3, False, 1, 1), (8, 64, 3, True, 1, 1),
+    (4, 32, 2, False, 1, 1), (4, 64, 3, False, 1, 1), (4, 64, 3, True, 1, 1),
+    (4, 32, 2, False, 1, 2), (4, 32, 2, True, 1, 2), (4, 32, 3, False, 1, 2), (4, 32, 3, True, 1, 2),
+    (4, 64, 3, True, 1, 2),
+    (8, 32, 2, False, 2, 1), (8, 32, 3, False, 2, 1), (8, 64, 2, False, 2, 1), (4, 32, 2, False, 2, 1),
+    (4, 32, 2, False, 2, 2),
+)
 # 8-bit pages above head dim 128, history tiles computing the bias in the kernel: the one variant whose 32-key blocks
 # spill (28 bytes at 2 stages, int8); 16-key blocks do not.
 NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=CUDA_NUM_WARPS,
                               num_stages=2, pre_hook=_fit_descriptor)
-CUDA_CONFIGS.append(NARROW_CONFIG)
+CUDA_CONFIGS = [triton.Config({"BLOCK_N": bn, "TMA": tma, "V_SPLITS": v, "M_SPLITS": m}, num_warps=w, num_stages=s,
+                              pre_hook=_fit_descriptor if v == 1 else None)
+                for w, bn, s, tma, v, m in CHOSEN_CONFIGS] + [NARROW_CONFIG]
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 TMA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS if c.kwargs["TMA"])
 # Keys per split are a multiple of this (every autotuned BLOCK_N divides it; a caller's wider block raises it), so
@@ -159,8 +154,7 @@ def prune_configs(configs, named_args, **kwargs):
     """The autotune candidates of a variant (``SPLIT`` too: a split prefix stores partial state, which takes
     registers) that compile spill-free and fit shared memory on sm_90 (bf16): without
     value splits as :func:`_clean_one_program` says, with two as :func:`_clean_value_split` says, offered above
-    head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); with registers capped
-    (:data:`CAPPED_REGS`) for candidate tiles up to head dim 64 on pages in the model's dtype; 8-bit pages with the
+    head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); 8-bit pages with the
     in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes. Configs reading
     pages through a tensor descriptor are offered as ``TMA_READS`` allows (they compile as the pointer configs do)
     when a key block lies in one page."""
@@ -174,7 +168,6 @@ def prune_configs(configs, named_args, **kwargs):
     kv8 = meta.get("KV8", False)
     narrow = kv8 and row_bias and head_dim > 128
     pick = meta.get("V_SPLITS_PICK", 0)
-    capped_ok = cand and head_dim <= 64 and not kv8
     split = meta.get("SPLIT", False)
 
     def offered(c) -> bool:
@@ -187,7 +180,6 @@ def prune_configs(configs, named_args, **kwargs):
             if (c is NARROW_CONFIG) == narrow and offered(c)
             and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
-            and (c.maxnreg is None or capped_ok)
             and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias, split) if c.kwargs["V_SPLITS"] > 1
                                         else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias, split, kv8)))]
     return kept or [c for c in configs if offered(c)][:1] or configs[:1]

@@ -28,7 +28,7 @@ import torch
 from . import _common as C
 from ._prefix_config import SPLIT_ALIGN
 
-__all__ = ["pick_splits", "least_waves", "fill_splits", "split_layout", "merge_splits", "split_dtype",
+__all__ = ["pick_splits", "least_waves", "split_layout", "merge_splits", "split_dtype",
            "MIN_SPLIT_KEYS", "MAX_SPLITS", "OVERHEAD_KEYS"]
 
 MIN_SPLIT_KEYS = 256   # keys per split at least: below it a split's fixed cost outweighs the parallelism
@@ -44,8 +44,9 @@ def pick_splits(device: torch.device, num_work: int, max_keys: int, splits: Opti
     for ``num_work`` (tile, head) pairs, one program per SM (an 8-warp config fills an SM's registers; measured:
     ``benchmarks/results/gpu-h100-2026-11-26b/``) and a 128-row tile's fixed traffic (:data:`OVERHEAD_KEYS`): splits
     are added where they cut the time of the launch's last wave, not to fill a count of programs; a batch whose users
-    have few keys is never split; 1 elsewhere (and in the interpreter). :func:`fill_splits` is the former rule, 1.16x
-    slower over the bench's shapes (measured: ``benchmarks/results/gpu-h100-2026-11-27/``)."""
+    have few keys is never split; 1 elsewhere (and in the interpreter). The rule it replaced (about two programs per
+    SM where the tiles leave SMs idle) was 1.16x slower over the bench's shapes and was removed (measured:
+    ``benchmarks/results/gpu-h100-2026-11-27/``)."""
     if splits is not None:
         if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
@@ -61,25 +62,15 @@ def least_waves(programs_per_split: int, slots: int, max_keys: int, overhead_key
     an SM holds), runs ``waves(S) = ceil(programs_per_split x S / slots)`` waves of programs that each stream
     ``max_keys / S`` keys and a fixed ``overhead_keys`` keys' worth (its queries' load, its partial's store and
     the merge's read of it); ties go to fewer splits. At NVIDIA's ranking shape (12 (tile, head) pairs, 132 SMs,
-    4096 keys) 11 splits make one wave, where two programs per SM (:func:`fill_splits`: 16) make 1.45, i.e. two."""
+    4096 keys) 11 splits make one wave, where two programs per SM (the former rule's 16) make 1.45, i.e. two."""
     return min(range(1, most_splits(max_keys) + 1),
                key=lambda s: C.cdiv(programs_per_split * s, slots) * (max_keys / s + overhead_keys))
 
 
 def most_splits(max_keys: int) -> int:
-    """The most splits of ``max_keys`` keys (the longest user's) either split rule chooses: at least
+    """The most splits of ``max_keys`` keys (the longest user's) :func:`least_waves` chooses: at least
     :data:`MIN_SPLIT_KEYS` keys each, at most :data:`MAX_SPLITS`; at least 1."""
     return max(1, min(max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
-def fill_splits(device: torch.device, num_work: int, max_keys: int) -> int:
-    """The former split rule, kept for comparison (``relaygr bench kernels --splits fill`` times it beside the
-    default, :func:`least_waves`): on CUDA about two programs per SM where ``num_work`` (tile, head) pairs leave SMs
-    idle, at least :data:`MIN_SPLIT_KEYS` keys each; 1 elsewhere."""
-    cores = C.num_cores(device) if device.type == "cuda" else 0
-    if num_work <= 0 or num_work >= cores:
-        return 1
-    return min(C.cdiv(2 * cores, num_work), most_splits(max_keys))
 
 
 def split_layout(device: torch.device, num_work: int, max_keys: int, block_n: Optional[int] = None,
