@@ -286,7 +286,7 @@ def history_tile_rows(cfg: KernelConfig, num_tiles: Callable[[int], int], max_ke
 
 # Each autotune candidate is timed over AUTOTUNE_REP_MS after AUTOTUNE_WARMUP_MS (Triton's default is 100 and 25):
 # a launch takes microseconds to a millisecond, so a few hundred runs already rank the configs, and a variant's up
-# to 16 candidates cost a warm-up well under a second instead of two.
+# to 12 candidates cost a warm-up well under a second instead of two.
 AUTOTUNE_WARMUP_MS = 5
 AUTOTUNE_REP_MS = 20
 
