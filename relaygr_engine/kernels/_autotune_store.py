@@ -1,7 +1,7 @@
 """The prefix kernel's autotune choices on disk: a process reuses what an earlier one measured on the same GPU.
 
 Triton's autotuner compiles and times every candidate config of a variant at the variant's first call, in every
-process. At head dim 256 a variant keeps up to 16 candidates, each compiled for seconds, so each serving replica's
+process. At head dim 256 a variant keeps up to 12 candidates, each compiled for seconds, so each serving replica's
 start (and each benchmark) pays that again; and replicas whose timings differ by noise may keep different configs,
 so one request can score with different summation orders on two replicas. With a file of choices, a variant
 compiles the one config named there and every process that loads it runs the same configs. (Triton's own

@@ -1,7 +1,7 @@
 """Compiling an autotuned variant's configs in parallel before the autotuner times them.
 
 Triton's autotuner compiles each candidate config the first time it times it, one after the other. At head dim 256
-a variant of the prefix kernel has up to 16 candidates of a few seconds' compile each, so a serving process's first
+a variant of the prefix kernel has up to 12 candidates of a few seconds' compile each, so a serving process's first
 ranking (its warm-up) and every benchmark's first call wait on them in series. Here the pruning step, which runs
 once per variant right before the timing, also submits every kept config's compile to a thread pool through
 Triton's public ``AsyncCompileMode`` (the compiler releases the GIL; the copies land in the kernel's cache, so the
