@@ -185,9 +185,10 @@ def test_padding_rows_fill_a_bucket_as_a_user_of_their_own():
 def test_a_refill_writes_every_entry_whatever_its_reused_buffer_held():
     """The bucket's staging buffers are reused: a ranking's refill writes every entry of every buffer view, so the
     device buffers hold the same values whether the reused host buffer held the last ranking's values, zeros or
-    0xFF bytes, and the scores stay exact."""
+    0xFF bytes, and the scores stay exact (a lease of an hour: the prefix is never extended under a slow
+    interpreter)."""
     model = make_model()
-    engine = _interpreted_engine(model)
+    engine = _interpreted_engine(model, cache=dict(lease_ttl_s=3600.0))
     h, c = history(45, seed=1), candidates(7, seed=4)
     engine.prefill_prefix(1, h.prefix(20))
     engine.rank_with_prefix(1, h, c)
@@ -285,29 +286,79 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
 
-def test_host_work_benchmark_replays_a_stand_in_graph(capsys):
-    """benchmarks/tools/host_work.py times rankings served by graph replays (the first of its bucket eager), each with
-    its real host work, and prints one RESULT line."""
-    import importlib.util
-    import pathlib
+def test_bench_host_replays_a_stand_in_graph(capsys):
+    """``relaygr bench host`` (formerly benchmarks/tools/host_work.py) times rankings served by graph replays (the
+    first of its bucket eager), each with its real host work, and prints one RESULT line with each step's time."""
+    from relaygr_engine.bench import host
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_work.py"
-    spec = importlib.util.spec_from_file_location("host_work", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--seeds", "0,1", "--calls", "3", "--device", "cpu", "--model", "small", "--history", "200",
-                 "--new", "20", "--candidates", "8", "--phases"])  # (it asserts the replay count)
+    host.main(["--seeds", "0,1", "--calls", "3", "--device", "cpu", "--model", "small", "--history", "200",
+               "--new", "20", "--candidates", "8"])  # (it asserts the replay count)
     out = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in out[:2]] == ["seed 0", "seed 1"]
-    assert out[-1].startswith("RESULT host_us_L200_C8=") and "seeds=2 new_rows=20 model=small device=cpu" in out[-1]
-    phases = {line[6:].split(":")[0]: float(line.split(": ")[1].split()[0]) for line in out if line.startswith("phase")}
-    assert list(phases) == [phase for _, _, phase in module.PHASES]  # every step timed: each wrapper was reached
-    assert all(v > 0 for v in phases.values())
-    whole = [phases[f"{step} (all of it)"] for step in ("ranking", "graph runner", "buffers' fill and copy")]
-    assert whole == sorted(whole, reverse=True)  # each part within the one before
+    assert [line.split(":")[0] for line in out[1:3]] == ["seed 0", "seed 1"]
+    assert out[-1].startswith("RESULT host_us_per_rank=")
+    assert "seeds=2 history=200 new_rows=20 candidates=8 model=small device=cpu" in out[-1]
+    steps = {kv.split("=")[0][5:-3]: float(kv.split("=")[1]) for kv in out[-1].split() if kv.startswith("step_")}
+    reached = [key for _, _, key, _ in host.STEPS]
+    assert list(steps) == reached  # every step timed: each wrapper was reached
+    assert all(v > 0 for v in steps.values())
+    assert [steps[k] for k in ("ranking", "runner", "fill")] == sorted((steps[k] for k in ("ranking", "runner",
+                                                                                             "fill")), reverse=True)
     from relaygr_engine.engine import graphs
     assert graphs.GraphRunner.__dict__["_fill"].__name__ == "_fill" and not hasattr(graphs.GraphRunner._fill,
                                                                                      "__wrapped__")  # unwrapped after
+
+
+@needs_triton
+def test_bucket_tables_follow_each_batch_layout_and_pages():
+    """A bucket keeps its row and page tables by layout: a second user of the same layout on other pages gets its own
+    page table, the first user again the kept one, a third of another layout new row tables; every score exact and
+    every buffer equal to a bucket's first fill of that batch."""
+    from relaygr_engine.engine.staging import host_layout
+
+    model = make_model()
+    engine = _interpreted_engine(model, cache=dict(lease_ttl_s=3600.0), extend_on_rank=False)
+    hs = [history(45, seed=s) for s in (1, 2, 3)]
+    c = candidates(7, seed=4)
+    for user, h, cached in ((1, hs[0], 20), (2, hs[1], 20), (3, hs[2], 24)):
+        engine.prefill_prefix(user, h.prefix(cached))
+    runner = engine.runner.graphs
+    other = GraphRunner(engine.model, engine.layers, engine.state, rg.GraphConfig(), capture=False)
+    seen = []
+    real = runner.run
+    runner.run = lambda jobs, parts: (seen.append((jobs, parts)), real(jobs, parts))[-1]
+    for user, h in ((1, hs[0]), (2, hs[1]), (1, hs[0]), (3, hs[2]), (2, hs[1])):
+        res = engine.rank_with_prefix(user, h, c)
+        assert_exact(res, model, h, c)
+        b = next(b for k, b in runner.buckets.items() if k.candidates)
+        jobs, parts = seen[-1]
+        want = other._new_bucket(b.key)  # a bucket's first fill of this batch
+        other._fill(want, jobs, host_layout(parts), parts)
+        for name in b.names:
+            assert torch.equal(b.view(name), want.view(name)), (user, name)
+    assert [len(kept) for kept in b.tables.kept.values()] == [2, 3]  # two layouts; three users' pages
+
+
+def test_a_bucket_tiles_only_the_live_rows():
+    """A bucket's tile tables hold the batch's live tiles (its padding user's included), not ``rows // m + S`` per
+    kind: the key names them, and equal shapes of other live tiles take another bucket."""
+    from relaygr_engine.engine.records import Job, Prepared
+    from relaygr_engine.engine.staging import host_layout
+
+    engine = make_engine(make_model())
+    runner = GraphRunner(engine.model, engine.layers, engine.state, rg.GraphConfig(), capture=False)
+    h = history(60, seed=1)
+
+    def key(cached, new, cands):
+        hist = h.prefix(cached + new)
+        p = Prepared(1, hist, candidates(cands), None)
+        return runner.key([Job(p, cached, np.arange(8), p.candidates)], host_layout([(hist, cached, p.candidates,
+                                                                                      None)]))
+    m = runner._tile_rows(1, 32, 16, 32)
+    assert m == (32, 32)  # (the interpreter's tiles)
+    k = key(20, 25, 7)  # 25 history rows + the padding user's 7; 7 candidates + its 9
+    assert (k.history_rows, k.candidates, k.tiles) == (32, 16, (2, 2))
+    assert key(20, 32, 16).tiles == (1, 1)  # an exact fit: no padding user's rows
+    assert key(20, 30, 16).tiles == (2, 1) != key(20, 32, 16).tiles
 
 
 @gpu

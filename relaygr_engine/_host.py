@@ -119,6 +119,15 @@ class Arena:
         self._host_layout = [(o, _NUMPY[dtype], shape) for (dtype, shape), o in zip(self.specs, self.offsets)]
         self._kept: list[_Staging] = []
 
+    def span(self, first: int, last: int) -> tuple[int, int]:
+        """The bytes ``[lo, hi)`` of a staging buffer (and of :attr:`buffer`) holding entries ``first .. last``
+        (and the alignment bytes between them): a caller may keep a copy of them and put it back in one copy."""
+        if not 0 <= first <= last < len(self.specs):
+            raise ValueError(f"first and last must be entries with 0 <= first <= last < {len(self.specs)}, got "
+                             f"{first} and {last}")
+        dtype, shape = self.specs[last]
+        return self.offsets[first], self.offsets[last] + _nbytes(dtype, shape)
+
     def stage(self) -> tuple[torch.Tensor, list[np.ndarray]]:
         """A host buffer (:func:`_host_buffer`) laid out as the arena, and numpy views of its entries: write the
         next values into the views, then :meth:`load` the buffer. It is a kept one whose last copy has completed,

@@ -297,7 +297,7 @@ def check_request(history: Behaviors, candidates: Optional[torch.Tensor], reques
         raise ValueError("history must hold at least one behavior, got 0")
     if history.timestamps is not None:
         ts = history.arrays()[2] if history.device.type == "cpu" else history.timestamps.cpu().numpy()
-        low = int(ts.min())  # on the host: no device op on CPU
+        low = int(np.minimum.reduce(ts))  # on the host: no device op on CPU
         if low < 0:
             raise ValueError(f"history.timestamps must be times in seconds >= 0, got {low}")
     if candidates is not None:

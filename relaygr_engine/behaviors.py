@@ -101,30 +101,47 @@ class Behaviors:
         kept = self.__dict__.get("_arrays")
         if kept is not None:
             return kept
-        out = tuple(None if x is None else x.cpu().numpy()
-                    for x in (self.item_ids, self.action_ids, self.timestamps, self.context_ids))
-        if self.device.type == "cpu":
-            object.__setattr__(self, "_arrays", out)
+        fields = (self.item_ids, self.action_ids, self.timestamps, self.context_ids)
+        if self.item_ids.device.type != "cpu":
+            return tuple(None if x is None else x.cpu().numpy() for x in fields)
+        out = self.__dict__["_arrays"] = tuple(None if x is None else x.numpy() for x in fields)
         return out
 
-    def token_keys(self) -> np.ndarray:
-        """What each history token is, for prefix fingerprints: int64 ``[T, 4]`` rows ``(kind, id, action, time)``.
+    def token_keys(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """What each history token is, for prefix fingerprints: int64 ``[stop - start, 4]`` rows ``(kind, id, action,
+        time)`` of tokens ``start .. stop - 1`` (default: all ``T``).
 
         ``kind`` is 0 for a contextual token, 1 for a behavior; ``action`` is -1 without action ids; ``time`` is 0
         without timestamps. Two histories whose first ``n`` rows agree give identical K/V for their first ``n``
         tokens in a prefix-stable model (with equal weights and the same presence of action ids and timestamps).
+        Rows of a range equal the same rows of the whole table (a ranking builds the rows of its new tokens only).
+
+        Raises
+        ------
+        ValueError
+            ``start``/``stop`` not integers with ``0 <= start <= stop <= T``.
         """
-        U, L = self.num_context_tokens, len(self)
+        U, T = self.num_context_tokens, self.num_tokens
+        stop = T if stop is None else stop
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= T):
+            raise ValueError(f"start and stop must be integers with 0 <= start <= stop <= {T}, got {start!r} and "
+                             f"{stop!r}")
         items, actions, times, context = self.arrays()
-        keys = np.empty((U + L, 4), dtype=np.int64)  # (every entry written below)
-        keys[:U, 0], keys[U:, 0] = 0, 1
-        keys[:U, 1], keys[U:, 1] = (context if U else 0), items
-        keys[:U, 2], keys[U:, 2] = -1, (-1 if actions is None else actions)
+        keys = np.empty((stop - start, 4), dtype=np.int64)  # (every entry written below)
+        c0, c1 = min(start, U), min(stop, U)                # contextual tokens in the range
+        b0, b1 = max(start, U) - U, max(stop, U) - U        # behaviors in the range
+        ctx, beh = keys[:c1 - c0], keys[c1 - c0:]
+        ctx[:, 0], beh[:, 0] = 0, 1
+        if c1 > c0:
+            ctx[:, 1] = context[c0:c1]
+        beh[:, 1] = items[b0:b1]
+        ctx[:, 2], beh[:, 2] = -1, (-1 if actions is None else actions[b0:b1])
         if times is None:
             keys[:, 3] = 0
         else:
-            keys[U:, 3] = times
-            keys[:U, 3] = times[0]  # contextual tokens take the first behavior's time (token_timestamps)
+            beh[:, 3] = times[b0:b1]
+            if c1 > c0:
+                ctx[:, 3] = times[0]  # contextual tokens take the first behavior's time (token_timestamps)
         return keys
 
     def prefix(self, n: int) -> "Behaviors":

@@ -32,6 +32,7 @@ _COMMANDS = {
 
 # ``relaygr bench NAME`` -> the module whose main(argv) runs it: the benchmarks a user runs.
 BENCHMARKS = {
+    "host": "relaygr_engine.bench.host",
     "kernels": "relaygr_engine.bench.kernels",
     "kvquant": "relaygr_engine.bench.kvquant",
     "overhead": "relaygr_engine.bench.overhead",

@@ -352,9 +352,9 @@ class RelayEngine:
                     reloaded.discard(job.key)
                 results.append(RankResult(scores, source, job.start, T - job.start + C, self.cache.kv_dtype.value))
                 c.count_ranking(source, job.start, T - job.start + C, C)
-            # now evictable unless another ticket's lease holds them: keep a DRAM copy
-            for key in [pin.key for pin in pins.values()] + stored:
-                self.state.spill_if_evictable(key, t)
+            if self.dram is not None:  # now evictable unless another ticket's lease holds them: keep a DRAM copy
+                for key in [pin.key for pin in pins.values()] + stored:
+                    self.state.spill_if_evictable(key, t)
             return results
 
     # ------------------------------------------------------------------------------------------ queries
@@ -413,4 +413,4 @@ class RelayEngine:
                 raise ValueError(f"ticket must be a PrefixTicket or None, got {type(ticket).__name__}")
             if ticket.user_id != u:
                 raise ValueError(f"ticket is for user_id={ticket.user_id}, but the request is for user_id={u}")
-        return Prepared(u, history, candidates, t_req, history.token_keys(), ticket)
+        return Prepared(u, history, candidates, t_req, ticket)

@@ -12,8 +12,22 @@ Padding. After the batch's ``B`` users come empty users up to ``U`` (a power of 
 the extra rows: ``H_pad - H`` history rows and ``C_pad - C`` candidates, with no cached prefix and no history
 tokens (every row at position 0), their items, actions and times copies of the batch's last row (so every id stays
 one the model accepts). Padding rows attend only to themselves and the padding user's rows; their K/V are not
-stored; their scores are dropped. The attention kernel runs a fixed tile table (the bucket's most tiles, the spare
-ones empty) and splits each tile's keys as for the bucket's longest prefix and all its new history rows.
+stored; their scores are dropped.
+
+Live tiles. The attention kernel's tile tables hold the batch's live tiles (the padding user's included; the key
+names their count per kind, rounded up past 8 by :func:`~relaygr_engine.kernels._prefix_plan.round_tiles`), not
+the most a bucket's batches could make (``rows // block_m + users``), so the split count and the HSTU bias table are
+chosen for the live work: at NVIDIA's shape 3 tiles x 4 heads, 11 splits, as the eager plan, where tables of 7 tiles
+got 4 (and a 386-row bias table for 129 live rows). A graph fixes its launch grid and the split count (a launch
+argument) at capture, so a batch of another tile count takes a graph of its own rather than one grid sized for the
+most tiles whose programs read the count on the device: the kernel stays as it is, and the graphs stay few (a
+single-user ranking's tiles follow from its padded shape, up to one tile of the padding user's rows per kind; a
+batch's counts take at most 4 widths per power of two, within ``GraphConfig.max_graphs``). Each tile's keys are
+split as for the bucket's longest prefix and all its new history rows (every key of every batch it serves covered).
+
+Host work. A replay's host work is what depends on the request: its rows are written straight into the staging
+buffer, and the row, tile and page tables are computed once per layout and bucket and copied back after
+(:mod:`relaygr_engine.engine.staging`).
 
 What a captured model may do. It runs on the batch's tensors (``item_ids``, ``positions``, ...,
 ``candidate_rows``, ``num_candidate_rows``): the host layout (``rows``, ``start``, ``candidates_per_user``) changes
@@ -36,18 +50,19 @@ import traceback
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from .._host import Arena
 from .._warn import warn_once
-from ..batch import RelayBatch, RequestRows, build_device, gather_rows, structure_arrays
+from ..batch import RelayBatch, gather_rows
 from ..config import AttentionBackend, GraphConfig
 from ..attention.context import PagedState, paged_context
-from ..kernels._common import cdiv, tile_arrays
-from .layout import check_scores, log_plan, page_layout, split_scores
+from ..kernels._common import cdiv
+from ..kernels._prefix_plan import live_tiles, round_tiles
+from .layout import check_scores, log_plan, split_scores
 from .records import Job
+from .staging import HostRows, Tables, host_layout, page_bytes, page_tables, row_tables, write_rows
 from .tiers import CacheState
 
 __all__ = ["GraphKey", "GraphRunner", "HostLayoutRead", "bucket", "reset_rng_after_failed_capture"]
@@ -99,6 +114,18 @@ class GraphKey(NamedTuple):
     history_rows: int     # H_pad: new history rows
     candidates: int       # C_pad: candidate rows
     prefix: int           # longest cached prefix (a power of two): the split-prefix schedule's length
+    tiles: tuple = (0, 0)  # (history, candidate) tiles of its tile tables: the batch's live ones (round_tiles)
+
+
+# Layouts whose GraphKey a runner keeps (past it the kept keys are dropped and made again as batches come).
+KEYS_KEPT = 4096
+
+
+def _flags(rows) -> tuple[bool, bool]:
+    """``(timestamps, action ids)`` of a batch's rows (HostRows or RequestRows)."""
+    if isinstance(rows, HostRows):
+        return rows.timed, rows.acted
+    return rows.times is not None, rows.actions is not None
 
 
 class HostLayoutRead(RuntimeError):
@@ -127,7 +154,9 @@ class _Bucket:
     arena: Arena
     names: list
     block_m: tuple  # rows of a history tile and of a candidate tile
-    num_tiles: tuple  # (history tiles, candidate tiles) of the fixed grid
+    num_tiles: tuple  # (history tiles, candidate tiles) of the fixed grid: the key's live tiles
+    tables: Tables
+    row_fields: tuple = ()  # the arena entries of item_ids, action_ids, timestamps (None: not in it)
     graph: Optional[object] = None
     out: Optional[torch.Tensor] = None
 
@@ -157,6 +186,9 @@ class GraphRunner:
         self.buckets: collections.OrderedDict = collections.OrderedDict()
         self.disabled: Optional[str] = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._block_m: dict = {}  # padded shape -> tile rows (_tile_rows)
+        self.target = state.cache.device  # what the buckets' tiles are planned for (a Target: a GPU not here)
+        self._keys: dict = {}  # a batch's layout -> its GraphKey (key)
 
     # ------------------------------------------------------------------------------------------ entry
     def serves(self, jobs: list[Job]) -> bool:
@@ -174,13 +206,13 @@ class GraphRunner:
         if self.disabled is not None:
             c.graph_eager += 1
             return None
-        rows = gather_rows(parts, build_device(parts, self.state.cache.device))
+        rows = host_layout(parts) or gather_rows(parts, self.state.cache.device)
         key = self.key(jobs, rows)
         b = self.buckets.get(key)
         if b is None:
             b = self._new_bucket(key)
         self.buckets.move_to_end(key)
-        self._fill(b, jobs, rows)
+        self._fill(b, jobs, rows, parts)
         C = rows.num_candidate_rows
         if b.graph is not None:
             b.graph.replay()
@@ -203,89 +235,113 @@ class GraphRunner:
                 self._capture(b)
         return split_scores(scores, rows.candidates)
 
-    def key(self, jobs: list[Job], rows: RequestRows) -> GraphKey:
-        """The bucket of a batch of ranking jobs."""
+    def key(self, jobs: list[Job], rows) -> GraphKey:
+        """The bucket of a batch of ranking jobs (``rows``: their :class:`~relaygr_engine.engine.staging.HostRows`
+        or :class:`~relaygr_engine.batch.RequestRows`): its padded shape, and the tiles its rows make (the padding
+        user's included), so that the kernel's tables, split count and bias table follow the batch's live tiles."""
+        writes = any(j.write_pages is not None and j.prep.num_tokens > j.start for j in jobs)
+        layout = (rows.starts, rows.rows, rows.candidates, writes, _flags(rows))
+        got = self._keys.get(layout)
+        if got is None:
+            if len(self._keys) >= KEYS_KEPT:
+                self._keys.clear()
+            got = self._keys[layout] = self._key(rows, writes)
+        return got
+
+    def _key(self, rows, writes: bool) -> GraphKey:
         C = rows.num_candidate_rows
         H = rows.num_rows - C
-        longest = max(j.start for j in jobs)
-        return GraphKey(rows.times is not None, rows.actions is not None,
-                        any(j.write_pages is not None and j.prep.num_tokens > j.start for j in jobs),
-                        1 << (len(jobs) - 1).bit_length(), bucket(H), bucket(C),
-                        0 if longest == 0 else 1 << (longest - 1).bit_length())
+        longest = max(rows.starts)
+        users, H_pad, C_pad = 1 << (len(rows.rows) - 1).bit_length(), bucket(H), bucket(C)
+        prefix = 0 if longest == 0 else 1 << (longest - 1).bit_length()
+        block_m = self._tile_rows(users, H_pad, C_pad, prefix)
+        live = live_tiles([r - c for r, c in zip(rows.rows, rows.candidates)] + [H_pad - H],
+                          [*rows.candidates, C_pad - C], block_m)
+        most = (H_pad // block_m[0] + users + 1, C_pad // block_m[1] + users + 1)
+        timed, acted = _flags(rows)
+        return GraphKey(timed, acted, writes, users, H_pad, C_pad, prefix,
+                        (round_tiles(live[0], most[0]), round_tiles(live[1], most[1])))
+
+    def _tile_rows(self, users: int, history_rows: int, candidates: int, prefix: int) -> tuple[int, int]:
+        """Rows of a history tile and of a candidate tile in the buckets of this padded shape (the kernel's
+        config for the cache; history tiles' height by the bias table's budget for the shape's most tiles)."""
+        shape = (users, history_rows, candidates, prefix)
+        got = self._block_m.get(shape)
+        if got is None:
+            from ..kernels._prefix_config import history_tile_rows
+            from ..kernels.prefix_attention import pick_config
+
+            cache = self.state.cache
+            cfg = pick_config(self.target, cache.dtype, cache.kv[0].shape[-1])
+            most = (lambda m: history_rows // m + users + 1)  # (per kind: the sum over segments of ceil(rows / m))
+            got = self._block_m[shape] = (history_tile_rows(cfg, most, prefix + history_rows + candidates),
+                                          cfg.block_m)
+        return got
 
     # ------------------------------------------------------------------------------------------ buckets
     def _new_bucket(self, key: GraphKey) -> _Bucket:
-        from ..kernels._prefix_config import history_tile_rows
-        from ..kernels.prefix_attention import pick_config
-
         while len(self.buckets) >= self.config.max_graphs:
             self.buckets.popitem(last=False)
             self.state.counters.graph_evictions += 1
         cache = self.state.cache
         R, S = key.history_rows + key.candidates, key.users + 1
-        cfg = pick_config(cache.device, cache.dtype, cache.kv[0].shape[-1])
-        # Per kind, the sum over segments of ceil(rows / block_m), at most; the plan's keys: key.prefix + R.
-        tiles = lambda rows, m: rows // m + S  # noqa: E731
-        block_m = (history_tile_rows(cfg, lambda m: tiles(key.history_rows, m), key.prefix + R), cfg.block_m)
-        num_tiles = (tiles(key.history_rows, block_m[0]), tiles(key.candidates, block_m[1]))
+        block_m = self._tile_rows(key.users, key.history_rows, key.candidates, key.prefix)
         pages = max(1, key.users * cdiv(key.prefix, self.state.page_size))
         i32, i64 = torch.int32, torch.long
-        specs = {"item_ids": (i64, (R,)), "positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)),
-                 "is_context": (torch.bool, (R,)), "is_behavior": (torch.bool, (R,)), "segment_ids": (i64, (R,)),
-                 "cu_seqlens": (i32, (S + 1,)), "num_candidates": (i32, (S,)),
-                 "kv_indptr": (i32, (S + 1,)), "kv_indices": (i32, (pages,)), "kv_last": (i32, (S,)),
-                 "hist_tiles": (i32, (2, num_tiles[0])), "cand_tiles": (i32, (2, num_tiles[1])),
-                 "slots": (i64, (R,)), "candidate_rows": (i64, (key.candidates,))}
+        # In three spans of the arena: the request's rows (written every time), then the row and tile tables and
+        # the page tables (each restored from the bucket's tables of the same layout, _Tables).
+        specs = {"item_ids": (i64, (R,))}
         if key.acted:
             specs["action_ids"] = (i64, (R,))
         if key.timed:
             specs["timestamps"] = (i64, (R,))
+        specs.update({"positions": (i64, (R,)), "is_candidate": (torch.bool, (R,)), "is_context": (torch.bool, (R,)),
+                      "is_behavior": (torch.bool, (R,)), "segment_ids": (i64, (R,)), "cu_seqlens": (i32, (S + 1,)),
+                      "num_candidates": (i32, (S,)), "candidate_rows": (i64, (key.candidates,)),
+                      "hist_tiles": (i32, (2, key.tiles[0])), "cand_tiles": (i32, (2, key.tiles[1])),
+                      "kv_indptr": (i32, (S + 1,)), "kv_indices": (i32, (pages,)), "kv_last": (i32, (S,)),
+                      "slots": (i64, (R,))})
         if key.timed and key.writes:
             specs.update(ts_rows=(i64, (R,)), ts_flat=(i64, (R,)))
         names = list(specs)
-        b = _Bucket(key, Arena([specs[n] for n in names], cache.device), names, block_m, num_tiles)
+        arena = Arena([specs[n] for n in names], cache.device)
+        spans = {"rows": arena.span(names.index("positions"), names.index("cand_tiles")),
+                 "pages": arena.span(names.index("kv_indptr"), len(names) - 1)}
+        b = _Bucket(key, arena, names, block_m, key.tiles, Tables(spans),
+                    tuple(names.index(n) if n in specs else None for n in ("item_ids", "action_ids", "timestamps")))
         self.buckets[key] = b
         return b
 
-    def _fill(self, b: _Bucket, jobs: list[Job], rows: RequestRows) -> None:
-        """Write the padded rows of ``rows`` and the host tables into ``b``'s buffers: numpy writes into one staging
-        buffer, one host-to-device copy (then a copy per row field of rows built on the device)."""
-        key, ps = b.key, self.state.page_size
-        C, R = rows.num_candidate_rows, rows.num_rows
-        pad_hist, pad_cand = key.history_rows - (R - C), key.candidates - C
-        empty = key.users - len(jobs)
-        # after the users, empty users, then the padding user: no prefix, no history tokens (its rows at position 0)
-        seg_rows = [*rows.rows] + [0] * empty + [pad_hist + pad_cand]
-        seg_cand = [*rows.candidates] + [0] * empty + [pad_cand]
-        seg_ctx, seg_start, seg_tokens = ([*v] + [0] * (empty + 1) for v in (rows.context, rows.starts, rows.tokens))
-        lay = page_layout(jobs, rows.rows, ps)
+    def _fill(self, b: _Bucket, jobs: list[Job], rows, parts: Sequence[tuple]) -> None:
+        """Write the padded rows of ``parts`` and the host tables into ``b``'s buffers: numpy writes into one staging
+        buffer, one host-to-device copy (then a copy per row field where the rows were built on the device, ``rows``
+        a :class:`~relaygr_engine.batch.RequestRows`). The tables are computed once per layout and bucket: a later
+        batch of the same layout copies their bytes (:class:`~relaygr_engine.engine.staging.Tables`)."""
+        R, key = rows.num_rows, b.key
         staging, arrays = b.arena.stage()
-        out = dict(zip(b.names, arrays))
-        structure_arrays(seg_start, seg_rows, seg_cand, seg_ctx, seg_tokens, out=out)
-        n = lay.indptr[-1]
-        out["kv_indptr"][:len(jobs) + 1], out["kv_indptr"][len(jobs) + 1:] = lay.indptr, n
-        out["kv_indices"][:n], out["kv_indices"][n:] = lay.indices, 0
-        out["kv_last"][:len(jobs)], out["kv_last"][len(jobs):] = lay.last, 0
-        slots = out["slots"]
-        slots[:] = -1
-        slots[lay.write_rows] = lay.write_pages * ps + lay.write_slots
-        tile_arrays(seg_rows, seg_cand, b.block_m, b.num_tiles, out=(out["hist_tiles"], out["cand_tiles"]))
-        if "ts_rows" in out:
-            written = np.flatnonzero(slots >= 0)
-            out["ts_rows"][:] = np.resize(written, len(slots))  # repeats of real writes: the same values again
-            out["ts_flat"][:] = slots[out["ts_rows"]]
-        device_rows = []
-        for name, pieces in (("item_ids", rows.items), ("action_ids", rows.actions), ("timestamps", rows.times)):
+        raw, ps = staging.numpy(), self.state.page_size
+        named = (lambda: dict(zip(b.names, arrays)))
+        layout = (rows.starts, rows.rows, rows.candidates, rows.context, rows.tokens)
+        b.tables.fill("rows", layout, raw, lambda: row_tables(key, b.block_m, rows, len(jobs), named()))
+        pages = tuple((j.start, j.prep.num_tokens, page_bytes(j.pages, -(-j.start // ps)),
+                       None if j.write_pages is None else page_bytes(j.write_pages, len(j.write_pages)))
+                      for j in jobs)
+        b.tables.fill("pages", (rows.rows, pages), raw, lambda: page_tables(jobs, rows, ps, named()))
+        names = ("item_ids", "action_ids", "timestamps")
+        if isinstance(rows, HostRows):
+            fields = [None if i is None else arrays[i] for i in b.row_fields]
+            write_rows(parts, *fields)
+            if R < key.history_rows + key.candidates:
+                for a in fields:
+                    if a is not None:
+                        a[R:] = a[R - 1]  # the padding rows: copies of the last row (ids the model accepts)
+            b.arena.load(staging)
+            return
+        b.arena.load(staging)
+        for name, pieces in zip(names, (rows.items, rows.actions, rows.times)):  # after the staged copy, same stream
             if pieces is None:
                 continue
-            if rows.device.type != "cpu":
-                device_rows.append((b.view(name), torch.cat(pieces) if len(pieces) > 1 else pieces[0]))
-                continue
-            a = out[name]
-            np.concatenate(pieces, out=a[:R])
-            a[R:] = a[R - 1]  # the padding rows: copies of the last row (ids the model accepts)
-        b.arena.load(staging)
-        for view, t in device_rows:  # after the staged copy, on the same stream
+            view, t = b.view(name), torch.cat(pieces) if len(pieces) > 1 else pieces[0]
             view[:R].copy_(t)
             if R < view.numel():
                 view[R:].copy_(t[-1:].expand(view.numel() - R))

@@ -26,7 +26,10 @@ class PrefillPlanner:
     def plan(self, p: Prepared, t: float, pending: set) -> tuple[Optional[PrefixTicket], Optional[Job]]:
         """A finished ticket, or a job whose KV the caller computes into ``job.write_pages``."""
         T, u, ps = p.num_tokens, p.user_id, self.state.page_size
-        fp = self.index.fingerprint(p, T)
+        # (a cached entry all of whose tokens are p's, e.g. the last chunk of a chunked pre-infer: the fingerprint
+        # hashes the tokens after it only)
+        grown = self.index.match(p, T)
+        fp = self.index.fingerprint(p, T, grown if grown is not None and grown.usable == grown.num_tokens else None)
         ttl = self.state.config.lease_ttl_s
         if (u, fp) in pending:  # the same prefix earlier in this batch
             return PrefixTicket(True, "already_cached", u, fp, T, t + ttl, cached_tokens=T), None

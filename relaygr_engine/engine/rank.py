@@ -3,7 +3,7 @@ ranking's new history K/V is kept in (extension of the entry read, or a stored m
 from __future__ import annotations
 
 from .index import PrefixIndex
-from .records import Job, Pin, Prepared
+from .records import Hit, Job, Pin, Prepared
 from .tiers import CacheState
 
 __all__ = ["RankPlanner"]
@@ -69,14 +69,15 @@ class RankPlanner:
             return False
         job = max(uses, key=lambda j: j.prep.num_tokens)
         p, T = job.prep, job.prep.num_tokens
-        fp = self.index.fingerprint(p, T)
+        base = Hit(pin.key[1], pin.num_tokens, pin.num_tokens)  # all of it is p's: hash the new tokens only
+        fp = self.index.fingerprint(p, T, base)
         if self.state.pool.lookup(p.user_id, fp) is not None:
             return False
         pages = self.state.pool.extend(p.user_id, pin.key[1], fp, T, now=t)
         if pages is None:
             return False
         pin.key, pin.pages, pin.num_tokens = (p.user_id, fp), pages, T
-        self.index.record(pin.key, p, T)
+        self.index.record(pin.key, p, T, base)
         job.write_pages = pages
         return True
 

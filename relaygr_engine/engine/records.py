@@ -184,18 +184,36 @@ class EngineCounters:
 # ------------------------------------------------------------------------------------------ internal records
 @dataclass(eq=False)
 class Prepared:
-    """A validated request."""
+    """A validated request.
+
+    Its token keys (:meth:`Behaviors.token_keys`, ``[T, 4]``) are built on first use of :attr:`keys`: a ranking
+    matched by its raw token arrays (:mod:`relaygr_engine.engine.index`) builds none, or only its new tokens' rows
+    (:meth:`key_rows`).
+    """
 
     user_id: int
     history: Behaviors
     candidates: Optional[torch.Tensor]
     request_time: Optional[int]
-    keys: np.ndarray  # Behaviors.token_keys: [T, 4]
     ticket: Optional[PrefixTicket] = None
+    num_tokens: int = -1  # the history's tokens T (-1: read from it)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = self.history.num_tokens
 
     @property
-    def num_tokens(self) -> int:
-        return self.keys.shape[0]
+    def keys(self) -> np.ndarray:
+        """``Behaviors.token_keys()`` of the history (built once)."""
+        keys = self.__dict__.get("_keys")
+        if keys is None:
+            keys = self.__dict__["_keys"] = self.history.token_keys()
+        return keys
+
+    def key_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start .. stop - 1`` of :attr:`keys` (from the whole table when built, else only those rows)."""
+        keys = self.__dict__.get("_keys")
+        return keys[start:stop] if keys is not None else self.history.token_keys(start, stop)
 
 
 @dataclass(eq=False)

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["LazyTimer"]
 
 
-@dataclass(frozen=True)
-class _Mark:
+class _Mark(NamedTuple):
     start: Any           # host seconds, or a recorded torch.cuda.Event
     work: int            # what the span processed (tokens, bytes)
 

@@ -16,7 +16,7 @@ from ._prefix_config import KernelConfig, history_tile_rows, pick_config
 from ._prefix_kernel import prefix_attention_kernel
 from ._split import split_layout
 
-__all__ = ["PrefixAttentionPlan", "plan_prefix_attention", "schedule"]
+__all__ = ["PrefixAttentionPlan", "live_tiles", "plan_prefix_attention", "round_tiles", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,23 @@ class PrefixAttentionPlan:
         if got is None:
             got = self.launches[key] = decide()
         return got
+
+
+def live_tiles(hist_rows, cand_rows, block_m: tuple[int, int]) -> tuple[int, int]:
+    """The tiles of a batch whose segments have ``hist_rows`` new history rows and ``cand_rows`` candidates each:
+    ``(history tiles, candidate tiles)`` of ``block_m`` rows (the widths :func:`~relaygr_engine.kernels._common.
+    tile_arrays` gives the two tables without padding)."""
+    return (sum(C.cdiv(n, block_m[0]) for n in hist_rows), sum(C.cdiv(n, block_m[1]) for n in cand_rows))
+
+
+def round_tiles(n: int, most: int) -> int:
+    """A tile table's width for ``n`` live tiles in a CUDA graph bucket whose batches have at most ``most``: ``n``
+    itself up to 8, else ``n`` rounded up to a multiple of an eighth of the power of two at or above it (at most
+    25% spare tiles; 4 widths per power of two, so a bucket's batches share few graphs), at most ``most``."""
+    if n <= 8:
+        return min(n, most)
+    step = (1 << (n - 1).bit_length()) // 8
+    return min(C.cdiv(n, step) * step, most)
 
 
 def _plan(table: C.PageTable, *, page_size, num_pages, cfg: KernelConfig, device) -> PrefixAttentionPlan:
