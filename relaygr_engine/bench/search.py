@@ -29,8 +29,10 @@ class SearchResult:
         Largest measured passing value (None when even ``lo`` fails).
     first_fail : float or None
         Smallest measured failing value above ``best`` (None when even ``hi`` passes).
-    status : {"ok", "capped", "none", "budget"}
-        ``"budget"``: ``max_evals`` ran out during the sweep, before a bracket was found.
+    status : {"ok", "capped", "none", "budget", "deadline"}
+        ``"budget"``: ``max_evals`` ran out during the sweep, before a bracket was found. ``"deadline"``: the
+        search's ``stop`` said so (a time limit) before it was done; ``best`` and ``first_fail`` are the bracket
+        measured so far (either may be None).
     points : list of (x, passed, payload)
         Every evaluation, in evaluation order.
     """
@@ -47,18 +49,20 @@ class SearchResult:
 
 def search_max(evaluate: Callable[[float], tuple[bool, Any]], start: float, *, lo: float, hi: float,
                factor: float = 2.0, rel_tol: float = 0.05, integer: bool = False, step: int = 1,
-               max_evals: int = 40) -> SearchResult:
+               max_evals: int = 40, first_factor: Optional[float] = None,
+               stop: Optional[Callable[[], bool]] = None) -> SearchResult:
     """Largest ``x`` in ``[lo, hi]`` with ``evaluate(x)[0]`` true: a geometric sweep, then bisection.
 
     Parameters
     ----------
     evaluate : callable
         ``x -> (passed, payload)``; called at most once per distinct ``x``.
-    start, lo, hi, factor, rel_tol, integer, step, max_evals
+    start, lo, hi, factor, rel_tol, integer, step, max_evals, first_factor, stop
         See :func:`search_steps`.
     """
     return search_lockstep({"": (search_steps(start, lo=lo, hi=hi, factor=factor, rel_tol=rel_tol,
-                                              integer=integer, step=step, max_evals=max_evals), evaluate)})[""]
+                                              integer=integer, step=step, max_evals=max_evals,
+                                              first_factor=first_factor, stop=stop), evaluate)})[""]
 
 
 def search_lockstep(tasks: dict) -> dict:
@@ -87,7 +91,8 @@ def search_lockstep(tasks: dict) -> dict:
 
 
 def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel_tol: float = 0.05,
-                 integer: bool = False, step: int = 1, max_evals: int = 40):
+                 integer: bool = False, step: int = 1, max_evals: int = 40, first_factor: Optional[float] = None,
+                 stop: Optional[Callable[[], bool]] = None):
     """The search of :func:`search_max` as a generator: yields each ``x`` to evaluate, receives
     ``(passed, payload)``, and returns the :class:`SearchResult` (``StopIteration.value``).
 
@@ -105,6 +110,14 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         Search multiples of ``step`` only; bisection stops when ``fail - pass <= step``.
     max_evals : int
         Hard bound on evaluations; the bracket found so far is returned.
+    first_factor : float, optional
+        The sweep's first step (``1 < first_factor <= factor``), each next one the square of the last, up to
+        ``factor``: a start near the answer (a value measured before) brackets it in few evaluations, a start far
+        from it still sweeps geometrically. Default: every step ``factor``. An integer search moves at least one
+        ``step``.
+    stop : callable () -> bool, optional
+        Asked before every evaluation (a deadline): once True, the search ends with status ``"deadline"`` and the
+        bracket measured so far.
     """
     if not (0 < lo <= hi):
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
@@ -114,6 +127,15 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         raise ValueError(f"rel_tol must be > 0, got {rel_tol!r}")
     if integer and (not isinstance(step, int) or step < 1):
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
+    if first_factor is not None and not 1 < first_factor <= factor:
+        raise ValueError(f"first_factor must be in (1, factor={factor!r}], got {first_factor!r}")
+    stop = stop or (lambda: False)
+    sweep = [0]  # sweep steps taken
+
+    def grow() -> float:
+        f = factor if first_factor is None else min(factor, first_factor ** (2 ** sweep[0]))
+        sweep[0] += 1
+        return f
 
     def snap(x: float) -> float:
         x = min(max(x, lo), hi)
@@ -133,14 +155,21 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         return memo[x]
 
     x = snap(start)
+    if stop():
+        return SearchResult(None, None, "deadline", points)
     if (yield from ok(x)):
         good = x
         while True:
-            nx = snap(x * factor)
+            f = grow()
+            nx = snap(x * f)
+            if integer and nx <= x:
+                nx = snap(x + step)
             if nx <= x:
                 return SearchResult(good, None, "capped", points)
             if len(points) >= max_evals:
                 return SearchResult(good, None, "budget", points)
+            if stop():
+                return SearchResult(good, None, "deadline", points)
             if (yield from ok(nx)):
                 good = x = nx
             else:
@@ -149,11 +178,16 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
     else:
         bad = x
         while True:
-            nx = snap(x / factor)
+            f = grow()
+            nx = snap(x / f)
+            if integer and nx >= x:
+                nx = snap(x - step)
             if nx >= x:
                 return SearchResult(None, bad, "none", points)
             if len(points) >= max_evals:
                 return SearchResult(None, bad, "budget", points)
+            if stop():
+                return SearchResult(None, bad, "deadline", points)
             if (yield from ok(nx)):
                 good = nx
                 break
@@ -169,6 +203,8 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
             if bad - good <= rel_tol * good:
                 break
             mid = 0.5 * (good + bad)
+        if stop():
+            return SearchResult(good, bad, "deadline", points)
         if (yield from ok(mid)):
             good = mid
         else:
