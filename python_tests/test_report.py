@@ -192,3 +192,7 @@ def test_a_search_stops_at_its_deadline_with_the_bracket_so_far():
         assert len(seen) == limit and res.status == "deadline" and (res.best, res.first_fail) == want
     res = search_max(lambda x: pytest.fail("evaluated"), 8.0, lo=1.0, hi=100.0, stop=lambda: True)
     assert (res.best, res.first_fail, res.status, res.points) == (None, None, "deadline", [])
+    # an evaluation cut short answers None: not counted, the search ends with the bracket measured so far
+    answers = iter([(True, None), (False, None), None])
+    res = search_max(lambda x: next(answers), 8.0, lo=1.0, hi=100.0, rel_tol=0.01)
+    assert (res.best, res.first_fail, res.status, len(res.points)) == (8.0, 16.0, "deadline", 2)

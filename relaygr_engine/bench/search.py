@@ -47,6 +47,10 @@ class SearchResult:
                 "evaluated": [x for x, _, _ in self.points], "passed": [bool(p) for _, p, _ in self.points]}
 
 
+class _Abandoned(Exception):
+    """An evaluation was answered None: the search ends with the bracket measured so far."""
+
+
 def search_max(evaluate: Callable[[float], tuple[bool, Any]], start: float, *, lo: float, hi: float,
                factor: float = 2.0, rel_tol: float = 0.05, integer: bool = False, step: int = 1,
                max_evals: int = 40, first_factor: Optional[float] = None,
@@ -117,7 +121,8 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         ``step``.
     stop : callable () -> bool, optional
         Asked before every evaluation (a deadline): once True, the search ends with status ``"deadline"`` and the
-        bracket measured so far.
+        bracket measured so far. An evaluation answered with None instead of ``(passed, payload)`` (one cut
+        short) ends it the same way, that value not counted.
     """
     if not (0 < lo <= hi):
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
@@ -149,67 +154,78 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
 
     def ok(x: float):
         if x not in memo:
-            passed, payload = yield x
+            got = yield x
+            if got is None:
+                raise _Abandoned
+            passed, payload = got
             memo[x] = bool(passed)
             points.append((x, bool(passed), payload))
         return memo[x]
 
-    x = snap(start)
-    if stop():
-        return SearchResult(None, None, "deadline", points)
-    if (yield from ok(x)):
-        good = x
-        while True:
-            f = grow()
-            nx = snap(x * f)
-            if integer and nx <= x:
-                nx = snap(x + step)
-            if nx <= x:
-                return SearchResult(good, None, "capped", points)
-            if len(points) >= max_evals:
-                return SearchResult(good, None, "budget", points)
-            if stop():
-                return SearchResult(good, None, "deadline", points)
-            if (yield from ok(nx)):
-                good = x = nx
-            else:
-                bad = nx
-                break
-    else:
-        bad = x
-        while True:
-            f = grow()
-            nx = snap(x / f)
-            if integer and nx >= x:
-                nx = snap(x - step)
-            if nx >= x:
-                return SearchResult(None, bad, "none", points)
-            if len(points) >= max_evals:
-                return SearchResult(None, bad, "budget", points)
-            if stop():
-                return SearchResult(None, bad, "deadline", points)
-            if (yield from ok(nx)):
-                good = nx
-                break
-            bad = x = nx
-    while len(points) < max_evals:
-        if integer:
-            if bad - good <= step:
-                break
-            mid = snap(good + (bad - good) / 2)
-            if mid <= good or mid >= bad:
-                break
-        else:
-            if bad - good <= rel_tol * good:
-                break
-            mid = 0.5 * (good + bad)
+    def walk():
+        x = snap(start)
         if stop():
-            return SearchResult(good, bad, "deadline", points)
-        if (yield from ok(mid)):
-            good = mid
+            return SearchResult(None, None, "deadline", points)
+        if (yield from ok(x)):
+            good = x
+            while True:
+                f = grow()
+                nx = snap(x * f)
+                if integer and nx <= x:
+                    nx = snap(x + step)
+                if nx <= x:
+                    return SearchResult(good, None, "capped", points)
+                if len(points) >= max_evals:
+                    return SearchResult(good, None, "budget", points)
+                if stop():
+                    return SearchResult(good, None, "deadline", points)
+                if (yield from ok(nx)):
+                    good = x = nx
+                else:
+                    bad = nx
+                    break
         else:
-            bad = mid
-    return SearchResult(good, bad, "ok", points)
+            bad = x
+            while True:
+                f = grow()
+                nx = snap(x / f)
+                if integer and nx >= x:
+                    nx = snap(x - step)
+                if nx >= x:
+                    return SearchResult(None, bad, "none", points)
+                if len(points) >= max_evals:
+                    return SearchResult(None, bad, "budget", points)
+                if stop():
+                    return SearchResult(None, bad, "deadline", points)
+                if (yield from ok(nx)):
+                    good = nx
+                    break
+                bad = x = nx
+        while len(points) < max_evals:
+            if integer:
+                if bad - good <= step:
+                    break
+                mid = snap(good + (bad - good) / 2)
+                if mid <= good or mid >= bad:
+                    break
+            else:
+                if bad - good <= rel_tol * good:
+                    break
+                mid = 0.5 * (good + bad)
+            if stop():
+                return SearchResult(good, bad, "deadline", points)
+            if (yield from ok(mid)):
+                good = mid
+            else:
+                bad = mid
+        return SearchResult(good, bad, "ok", points)
+
+    try:
+        return (yield from walk())
+    except _Abandoned:  # an evaluation answered None (stopped by a deadline): the bracket measured so far
+        good = max((x for x, p, _ in points if p), default=None)
+        bad = min((x for x, p, _ in points if not p and (good is None or x > good)), default=None)
+        return SearchResult(good, bad, "deadline", points)
 
 
 def slo_throughput(p99_ms_at: Callable[[float], tuple[float, Any]], slo_ms: float, start_qps: float, *,
