@@ -19,13 +19,14 @@
 # benchmarks/results/gpu-h100-2026-11-2{6,6b,7}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
 # variants for the later ones, which find them in Triton's cache), calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
-#   1. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
+#   1. STEPS=slo-gpu (the 3 seeds at NVIDIA's shape within --budget-s 330, install included in one 560 s call)
+#   2. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
 #      at this shape: its length is unknown; its first try, 2026-11-27, spent its 200 s in the latency calibration,
 #      which then ran the torch reference and now times the baseline's graphed ranking; a seed cut short resumes in
 #      a later call from its points.jsonl, its folder copied back into OUT_DIR/slo-seeds first; the calibration
 #      itself must finish within one call)
-#   2. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
-#   3. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
+#   3. STEPS="ncu-kernel profile-graphs kernels-hopper-softmax"
+#   4. STEPS="kernels-fp8 kernels-int8 kernels-vsplits-rank rank-compile tiers sync kernels-vsplits"
 # A CUDA 13 ptxas for Triton 3.6 (whose wheel assembles sm_90 code with ptxas 12.8.93; Triton 3.9's with 13.4.59;
 # public reports tie Hopper wgmma faults of our kind to ptxas before CUDA 13; tried on 2026-11-27: the kernel's
 # 8-bit read no longer faults with 13.4 but its results are wrong, benchmarks/results/gpu-h100-2026-11-27/): copy Triton 3.9's
@@ -49,8 +50,8 @@
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
 # rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
 # profile-graphs-hopper ncu ncu-hopper
-# ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
-# part of tests-hopper, by default;
+# ncu-kernel rank-small tiers tiers-8k slo slo-graphs slo-gpu tests-cuda kernels-persistent (all but tiers-8k,
+# slo-gpu and tests-hopper-twin, a part of tests-hopper, by default;
 # about 20-30 minutes on an H100, most of it Triton compiling and autotuning), and slo-seeds (only when named in STEPS:
 # the SLO benchmark at NVIDIA's HSTU shape and production lengths over three seeds, an hour or more). tests-gpu runs the CUDA tests alone
 # (minutes); tests-cuda the whole suite (the interpreter tests skip on a CUDA machine). rank is NVIDIA's public HSTU
@@ -271,6 +272,12 @@ step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --
 # SLO_ARGS: more options for every seed (e.g. --quick; give the same to each call: the summary checks it).
 # --resume: a seed cut short by the call's deadline keeps every point it measured (slo-seeds/seedN/points.jsonl,
 # written as each finishes); copy its folder back in the same way and the next call serves only the points left.
+# The three seeds at NVIDIA's shape in one call: --budget-s 330 plans them to end within 330 s of wall time (the
+# calibration, compilation and graph capture paid once for all seeds), the install before it; the seeds' reports
+# and the summary are left in slo-gpu/, ready to commit, with the autotune choices (autotune.json: a later call
+# with the folder copied back reuses them and --resume its points).
+step slo-gpu 560 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/slo-gpu/autotune.json" $PY -m relaygr_engine.cli bench slo \
+    --device cuda --model nvidia-hstu --seeds 0,1,2 --budget-s 330 --no-progress --resume --out "${OUT_DIR}/slo-gpu"
 SLO_SEEDS=${SLO_SEEDS:-0,1,2}
 SLO_ARGS=${SLO_ARGS:-}
 step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nvidia-hstu --seeds "${SLO_SEEDS}" \

@@ -30,6 +30,7 @@ This module holds the command line (options, their checks, :func:`main`); the ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -304,6 +305,7 @@ def run_checked(parser: argparse.ArgumentParser, args, log, source, started: tup
     from .slo_shared import Shared
 
     shared = Shared(args, started[0], exit_s=_EXIT_S if started[1] else 0.0)
+    os.makedirs(args.out, exist_ok=True)  # (from the start: RELAYGR_AUTOTUNE_FILE may name a file in it)
     try:
         if args.seeds:
             from . import seeds
