@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import time
-from typing import Optional  # noqa: F401
 
 import numpy as np
 

@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from . import slo_setup, slo_workers
-from .slo_budget import FIT, LADDER, Budget, Deadline, Plan, choose, too_small
+from .slo_budget import FIT, LADDER, Budget, Plan, choose, too_small
 from .slo_cost import CostModel, SeedShape, predict_seed
 
 __all__ = ["Shared", "calibrate_latency", "CALIBRATION_SHARE"]
@@ -116,6 +116,10 @@ class Shared:
         self._phases: dict = {}               # the current seed's phases: predicted, deadline, spent
         self._phase: Optional[tuple] = None   # (name, started)
         self._seed_started: Optional[float] = None
+        self._once_this_seed = 0.0            # of the current seed's time, what was paid once for all seeds
+        self._main = None                     # the first seed's stream, before its plan (the code-path warm-up)
+        self._wrote = False                   # a report was written (its time measured)
+        self.sharing: dict = {}               # what was paid once, what the last seed paid itself
 
     # ------------------------------------------------------------------------------------------ paid once
     def model(self, args, num_actions: int):
@@ -150,6 +154,7 @@ class Shared:
                                          max(args.max_history, args.max_len_hi), args.device, repeats=5,
                                          timer=timer, max_s=max_s, on_probe=check)
         self.calibration_s = time.perf_counter() - t0
+        self._once_this_seed += self.calibration_s
         return self.latency, f"on this model in {self.calibration_s:.1f}s"
 
     # ------------------------------------------------------------------------------------------ a seed
@@ -157,7 +162,7 @@ class Shared:
         """Before the calibration: the seed's served stream as the planner sees it (:attr:`shape`, under a
         budget only): mean history length, how much longer the length search's requests run than their base."""
         self._seed_started = time.perf_counter()
-        self._phases, self._phase = {}, None
+        self._phases, self._phase, self._once_this_seed = {}, None, 0.0
         if self.budget is None:
             return
         from .slo_bench import _Bench
@@ -222,6 +227,7 @@ class Shared:
                 simulate(pool.workers(m, lat, trigger=False, requests=warm.requests), warm, 2.0,
                          batch=slo_workers.batch_policy(args))
             self.warmup_s = time.perf_counter() - t0
+            self._once_this_seed += self.warmup_s
         if self.budget is None:
             return None
         if self.cost is None:
@@ -295,9 +301,9 @@ class Shared:
                         "paid_by_this_seed": own}
         if self.budget is None:
             return None
-        spent = time.perf_counter() - self._seed_started
+        spent = time.perf_counter() - self._seed_started - self._once_this_seed
         searched = sum(p.get("spent_s", 0.0) for p in self._phases.values())
-        self.seed_overhead_s = max(0.5, spent - searched)
+        self.seed_overhead_s = max(0.5, spent - searched)   # (its log, the next seed's before this one's run)
         return {"budget_s": self.budget.seconds, "elapsed_s": round(self.budget.elapsed(), 2),
                 "plan": self.plan.to_dict(), "phases": self._phases, "cost_model": self.cost.to_dict(),
                 "statuses": {m: {k: (r.get(k) or {}).get("status") for k in ("slo_throughput", "max_len")}
@@ -317,8 +323,6 @@ class Shared:
         if self.budget is not None:
             self.budget.writing_s = max(self.budget.writing_s if self._wrote else 0.0, seconds)
             self._wrote = True
-
-    _wrote = False
 
     def can_start_seed(self) -> bool:
         """Under a budget: whether a seed can still report (its reference runs and one evaluation of each mode's
@@ -352,12 +356,6 @@ class Shared:
         """A ``simulate`` abort hook: True once the budget's clock reaches ``at``."""
         clock = self.budget.clock
         return lambda: clock() >= at
-
-
-def raise_if_aborted(res) -> None:
-    """A run stopped at its abort time has no verdict: :class:`~relaygr_engine.bench.slo_budget.Deadline`."""
-    if getattr(res, "aborted", False):
-        raise Deadline("a run was stopped at its deadline")
 
 
 def _provisional(args, plan: Optional[Plan]):
