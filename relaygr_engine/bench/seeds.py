@@ -1,7 +1,9 @@
 """``relaygr bench slo --seeds 0,1,2``: the SLO benchmark once per seed, reported as medians with their spread.
 
 Each seed is a whole run of :func:`relaygr_engine.bench.slo.run` (its own synthetic draw or sample of the log,
-model weights, workload and searches) written to ``--out/seed{N}``. Ratios (relay / baseline, disaggregated /
+workload, trace and searches) written to ``--out/seed{N}``; the seeds of one command share the model (its weights
+do not depend on the seed), the calibration and the services (:mod:`relaygr_engine.bench.slo_shared`), and under
+``--budget-s`` one plan (:mod:`relaygr_engine.bench.slo_budget`). Ratios (relay / baseline, disaggregated /
 co-located) are measured inside each run and then summarised across seeds: the median, and the smallest and
 largest value. ``--out`` gets ``summary.md`` and ``summary.json``; the last line is ``RESULT
 slo_throughput_ratio=<median> slo_throughput_ratio_min=... slo_throughput_ratio_max=... max_len_ratio=... ...

@@ -20,6 +20,9 @@ thread CPU time as the service-time clock, marginal points repeated three times.
 production lengths and both sides run graphed and compiled (:mod:`relaygr_engine.bench.slo_setup`); NVIDIA's HSTU
 shape over three seeds: ``relaygr bench slo --device cuda --model nvidia-hstu --seeds 0,1,2``.
 
+``--budget-s S`` plans the searches' settings so that the whole command ends within S seconds
+(:mod:`relaygr_engine.bench.slo_budget`).
+
 Writes ``report.md``, ``report.json``, ``latency_vs_qps.png`` and ``max_len.png`` to ``--out`` and ends with
 ``RESULT slo_throughput_ratio=... max_len_ratio=... p99_ms_relay=... p99_ms_baseline=...`` (relay / baseline,
 measured in this run).
