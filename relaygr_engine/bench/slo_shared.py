@@ -182,11 +182,11 @@ class Shared:
         self._main = main
 
     def early_check(self, args):
-        """Under a budget with no plan yet: a check of the calibration's first points (a model fitted to one call
-        per length), before its timed rounds: a usage error where even an optimistic prediction of the last rung
-        (half of it) cannot fit the time left."""
-        if self.budget is None or self.plan is not None:
-            return None
+        """Under a budget with no plan yet, eager serving: a check of the calibration's first points (a model fitted
+        to one call per length, half of it), before its timed rounds: a usage error where even a lower bound of the
+        last rung cannot fit the time left."""
+        if self.budget is None or self.plan is not None or args.cuda_graphs or args.compile:
+            return None   # (a graphed or compiled first call captures or compiles: no bound; checked after)
 
         def check(probe_model, spent_s):
             # one call per length (a first call: slower than later ones, on a GPU by far): half of it, a bound
