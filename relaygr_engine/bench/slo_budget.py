@@ -197,10 +197,11 @@ class Plan:
                 + ("" if self.fits else ": over it, so the phases' deadlines will cut searches short")]
 
     def markdown(self) -> str:
-        rows = "\n".join(f"| {s} | {p['qps']:.1f} | {p['ref']:.1f} | {p['len']:.1f} | {p['total']:.1f} |"
+        rows = "\n".join(f"| {s} | {p['qps']:.1f} | {p['ref']:.1f} | {p['len']:.1f} | "
+                         f"{p['total'] - p['qps'] - p['ref'] - p['len']:.1f} | {p['total']:.1f} |"
                          for s, p in self.predicted_s.items())
         return "\n".join(self.lines()) + ("\n\n| seed | QPS searches s | reference runs s | length searches s | "
-                                          "total s |\n|---|---|---|---|---|\n" + rows)
+                                          "streams, report s | total s |\n|---|---|---|---|---|---|\n" + rows)
 
 
 def choose(left_s: float, elapsed_s: float, budget_s: float, seeds: list, predict: Callable[[dict, int], dict],
