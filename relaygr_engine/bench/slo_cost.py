@@ -35,6 +35,8 @@ RELAY_LEN_PRIOR = 1.5          # the same for the longest history
 FAIL_SHARE = {"qps": 0.4, "len": 0.25}  # of a failing run's measured requests, served before it stops (P99 > SLO)
 MISS = 0.2                     # a prediction assumes the answers 20% above where the searches start
 REPEAT_BAND = {"qps": (0.9, 1.35), "len": (0.92, 1.15)}  # values (over the answer) whose P99 is near the SLO
+CACHED_SHARE = 0.8             # a lower bound's relay-mode request: its cached prefix makes it cheaper than a full
+                               # inference (0.77-0.88 of it measured on a CPU, warm-up and cold users included)
 
 
 def measured_requests(requests: int, min_duration_s: float, qps: float) -> int:
@@ -108,14 +110,17 @@ class CostModel:
     wall_per_service : float
         Wall seconds one second of service time takes (the calibration's measured ratio, >= 1 on a shared CPU).
 
-    The factor of a mode and phase (``"qps"``, ``"ref"``, ``"len"``) starts at 1 and follows what the runs
-    measured (:meth:`observe`): their wall time over the base prediction, with one run's worth of the prior.
+    The factor of a mode and phase (``"qps"``, ``"ref"``, ``"len"``) starts at ``priors.get(mode, 1)`` and
+    follows what the runs measured (:meth:`observe`): their wall time over the base prediction, with one run's
+    worth of the prior.
     """
 
-    def __init__(self, latency_model, candidates: int, wall_per_service: float = 1.0) -> None:
+    def __init__(self, latency_model, candidates: int, wall_per_service: float = 1.0,
+                 priors: Optional[dict] = None) -> None:
         if not wall_per_service > 0:
             raise ValueError(f"wall_per_service must be > 0, got {wall_per_service!r}")
         self.lat, self.candidates, self.wall_per_service = latency_model, candidates, float(wall_per_service)
+        self.priors = dict(priors or {})
         self._sums: dict = {}      # (mode, phase) -> [wall, base, runs]
 
     def base_s(self, served: float, mean_len: float) -> float:
@@ -125,13 +130,14 @@ class CostModel:
     def factor(self, mode: str, phase: str) -> float:
         """What this mode's runs in this phase took over their base prediction (else the mode's other phases,
         else every mode's), pulled towards 1 by one run's worth."""
+        start = self.priors.get(mode, 1.0)
         for keys in ([(mode, phase)], [k for k in self._sums if k[0] == mode], list(self._sums)):
             got = [self._sums[k] for k in keys if k in self._sums]
             if got:
                 wall, base, runs = (sum(g[i] for g in got) for i in range(3))
                 prior = base / runs
-                return (wall + prior) / (base + prior)
-        return 1.0
+                return (wall + start * prior) / (base + prior)
+        return start
 
     def run_s(self, mode: str, phase: str, served: float, mean_len: float) -> float:
         """Predicted wall seconds of one run."""

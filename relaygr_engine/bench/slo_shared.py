@@ -18,7 +18,7 @@ from typing import Optional
 
 from . import slo_setup, slo_workers
 from .slo_budget import FIT, LADDER, Budget, Plan, choose, too_small
-from .slo_cost import CostModel, SeedShape, predict_seed
+from .slo_cost import CACHED_SHARE, CostModel, SeedShape, predict_seed
 
 __all__ = ["Shared", "calibrate_latency", "CALIBRATION_SHARE"]
 
@@ -190,7 +190,8 @@ class Shared:
 
         def check(probe_model, spent_s):
             # one call per length (a first call: slower than later ones, on a GPU by far): half of it, a bound
-            cost = CostModel(probe_model, args.candidates, 0.5)
+            cost = CostModel(probe_model, args.candidates, 0.5, priors={m: CACHED_SHARE for m in self.shape.modes
+                                                                        if m != "baseline"})
             values = {k: v for k, v in LADDER[-1].values().items()}
             values.update({k: getattr(args, k) for k in values if k not in args.planned})
             shape = self._seed_shape(cost)
@@ -237,7 +238,8 @@ class Shared:
             seeds = self.seeds_left or [args.seed]
             left = self.budget.serve_until() - self.budget.clock() - self.budget.writing_s * (len(seeds) - 1)
             # a bound on this machine now: every answer where expected, no run slower than its calibration
-            least = CostModel(lat, args.candidates, lat.meta.get("wall_per_service", 1.0))
+            least = CostModel(lat, args.candidates, lat.meta.get("wall_per_service", 1.0),
+                              priors={m: CACHED_SHARE for m in modes if m != "baseline"})
             self.plan = choose(left, self.budget.elapsed(), self.budget.seconds, seeds,
                                lambda values, i: self._predict(values, shape, later=i > 0), args,
                                ladder=LADDER[-1:] if args.quick else LADDER,
@@ -329,7 +331,8 @@ class Shared:
         searches fit the time left, as predicted); without one, always."""
         if self.budget is None or self.plan is None or self.shape is None:
             return True
-        bound = CostModel(self.cost.lat, self.cost.candidates, self.cost.wall_per_service)
+        bound = CostModel(self.cost.lat, self.cost.candidates, self.cost.wall_per_service,
+                          priors={m: CACHED_SHARE for m in self.shape.modes if m != "baseline"})
         p = predict_seed(bound, self.plan.values, self._seed_shape(self.cost), later=True, miss=0.0)
         need = p["ref"] + self.seed_overhead_s + sum(p[k] / max(1, p[f"runs_{k}"]) for k in ("qps", "len")) * \
             len(self.shape.modes)
