@@ -153,3 +153,22 @@ def test_a_budgeted_run_of_two_seeds_fits_shares_its_set_up_and_resumes(tmp_path
         keys = [json.loads(x).get("key") for x in after[1:]]
         assert after[:len(before[seed])] == before[seed] and len(keys) == len(set(keys))
         assert json.loads((out / f"seed{seed}" / "report.json").read_text())["budget"]["plan"] == plan
+
+
+def test_a_later_seed_brackets_an_unchanged_answer_in_two_evaluations():
+    """From an earlier seed's answer the first step is the tolerance (a hair under, so the bisection's test holds
+    in floating point) for a QPS, one step for a length."""
+    from relaygr_engine.bench.search import search_max
+
+    for tol, prior in ((0.12, 41.86), (0.15, 243.17), (0.08, 1.3)):
+        near = slo_cost.expected("qps", ["baseline", "relay"], 10.0, {"baseline": prior}, tol)
+        assert near["relay"] == (10.0 * slo_cost.RELAY_QPS_PRIOR, 1.25)   # no answer yet: the estimate
+        kw = slo_cost.qps_searches(["baseline"], 1.0, tol, 20, near)["baseline"]
+        for answer in (prior * (1 + tol / 2), prior * (1 - tol / 2)):
+            seen = []
+            res = search_max(lambda x: (seen.append(x) or x <= answer, None), **kw)
+            assert len(seen) == 2 and res.status == "ok", (tol, prior, answer, seen)
+    near = slo_cost.expected("len", ["baseline"], 1024, {"baseline": 2176}, 128)
+    kw = slo_cost.length_searches(["baseline"], 128, 128, 4096, 14, near)["baseline"]
+    seen = []
+    assert search_max(lambda x: (seen.append(x) or x <= 2200, None), **kw).best == 2176 and seen == [2176, 2304]

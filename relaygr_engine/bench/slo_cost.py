@@ -81,7 +81,8 @@ def expected(kind: str, modes, baseline: float, prior: Optional[dict], tol: floa
     for m in modes:
         if prior and prior.get(m):
             v = prior[m]
-            out[m] = (v, 1.0 + (tol if kind == "qps" else tol / max(v, tol)))
+            # (a step of the tolerance, a hair under: the bracket it makes must pass the bisection's test exactly)
+            out[m] = (v, 1.0 + (tol * (1 - 1e-6) if kind == "qps" else tol / max(v, tol)))
         else:
             out[m] = (baseline * (1.0 if m == "baseline" else ratio), 1.25)
     return out
