@@ -172,3 +172,31 @@ def test_a_later_seed_brackets_an_unchanged_answer_in_two_evaluations():
     kw = slo_cost.length_searches(["baseline"], 128, 128, 4096, 14, near)["baseline"]
     seen = []
     assert search_max(lambda x: (seen.append(x) or x <= 2200, None), **kw).best == 2176 and seen == [2176, 2304]
+
+
+def test_a_budgeted_calibration_probes_lengths_in_order_and_keeps_what_fits(monkeypatch):
+    """``calibrate_latency(max_s=...)``: lengths probed shortest first stop once half the share is spent; the
+    timed rounds are as many as fit (at least one); ``on_probe`` sees the probes' fit before the rounds."""
+    from relaygr_engine.bench import slo_shared
+
+    clock = [0.0]
+    monkeypatch.setattr(slo_shared, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = []
+
+    class Baseline:  # each call takes its history length in milliseconds on the fake clock
+        model = types.SimpleNamespace(config=types.SimpleNamespace(num_items=50, num_actions=2))
+        impl, cuda_graphs, compile_model = types.SimpleNamespace(value="paged"), False, False
+
+        def score(self, history, candidates):
+            calls.append(len(history))
+            clock[0] += len(history) / 1e3
+
+    probed = []
+    lat = slo_shared.calibrate_latency(Baseline(), 4, 4096, "cpu", repeats=5, timer=lambda: clock[0], max_s=4.0,
+                                       on_probe=lambda model, spent: probed.append((len(calls), spent)))
+    assert lat.meta["skipped_lengths"] == [1536, 2048, 3072, 4096] and lat.meta["repeats"] == 1
+    assert probed == [(6, pytest.approx(2.72))] and calls == [32, 128, 256, 512, 768, 1024] * 2
+    assert lat.meta["wall_per_service"] == pytest.approx(1.0) and lat.predict_ms(1024, 4) == pytest.approx(1024, 0.05)
+    calls.clear()
+    lat = slo_shared.calibrate_latency(Baseline(), 4, 4096, "cpu", repeats=3, timer=lambda: clock[0])
+    assert lat.meta["skipped_lengths"] == [] and len(calls) == 4 * 10          # no budget: every length, 3 rounds

@@ -33,12 +33,12 @@ def calibrate_latency(baseline, num_candidates: int, max_len: int, device: str, 
     (implementation, CUDA graphs, compilation): the trigger predicts what a ranking without a cache costs as the
     baseline serves it. ``timer`` is the benchmark's service-time clock.
 
-    The lengths are probed in increasing order (one call each, the calibration's warm-up call). With ``max_s``, a
-    length whose calls are predicted (quadratically from the previous one) to end the calibration after ``max_s``
-    seconds is left out with every longer one (at least two are kept); ``on_probe(model, spent_s)`` then sees a
-    model fitted to the probes before the timed rounds (a budget's first check). The model's ``meta`` records
-    ``wall_s``, ``wall_per_service`` (wall seconds per second of the timer over the calls) and
-    ``skipped_lengths``.
+    The lengths are probed in increasing order (one call each, the calibration's warm-up call: on CUDA it captures
+    graphs and compiles). With ``max_s``, probing stops (at least two lengths kept) once half of ``max_s`` is spent
+    or the last probe took a quarter of it, and the timed rounds are as many as fit what is left (at least one, a
+    round priced as the probes took); ``on_probe(model, spent_s)`` sees a model fitted to the probes before the
+    rounds (a budget's first check). The model's ``meta`` records ``wall_s``, ``wall_per_service`` (wall seconds
+    per second of the timer over the calls), ``skipped_lengths`` and ``repeats``.
     """
     import torch
 
@@ -66,15 +66,16 @@ def calibrate_latency(baseline, num_candidates: int, max_len: int, device: str, 
     t0 = time.perf_counter()
     probes: list = []                                                     # (length, wall s, service s)
     for L in lengths:
-        if max_s is not None and len(probes) >= 2:
-            (L1, w1, _), so_far = probes[-1], time.perf_counter() - t0
-            rounds = repeats * sum(w for _, w, _ in probes)
-            if so_far + rounds + (1 + repeats) * w1 * (L / max(L1, 1)) ** 2 > max_s:
-                break
+        if max_s is not None and len(probes) >= 2 and (time.perf_counter() - t0 > max_s / 2 or
+                                                        probes[-1][1] > max_s / 4):
+            break
         w, s = spent["wall"], spent["service"]
         fn(L, num_candidates)
         probes.append((L, spent["wall"] - w, spent["service"] - s))
     kept = [L for L, _, _ in probes]
+    if max_s is not None:
+        left = max_s - (time.perf_counter() - t0)
+        repeats = max(1, min(repeats, int(left // max(sum(w for _, w, _ in probes), 1e-9))))
     if on_probe is not None:
         on_probe(LatencyModel.fit([LatencyPoint(L, num_candidates, s * 1e3) for L, _, s in probes], device=device),
                  time.perf_counter() - t0)
