@@ -133,7 +133,8 @@ def budget_markdown(budget: dict) -> str:
         f"written. Each phase's share of the time left (its deadline, from its start) follows the predictions; a "
         f"search starts no evaluation past it (status `deadline`).", "",
         rpt._table(["phase", "predicted s", "deadline s", "spent s"], rows), "",
-        f"Search statuses: {statuses}. Cost model: {json.dumps(budget.get('cost_model', {}))}.", "",
+        f"Search statuses: {statuses}. Cost model: {json.dumps(budget.get('cost_model', {}))}. Calibration: "
+        f"{json.dumps(budget.get('calibration', {}))}.", "",
         f"Paid once for the command: {json.dumps(share.get('paid_once', {}))}. Paid by this seed itself: "
         f"{json.dumps(share.get('paid_by_this_seed', {}))}.", ""])
 

@@ -307,8 +307,10 @@ class Shared:
         spent = time.perf_counter() - self._seed_started - self._once_this_seed
         searched = sum(p.get("spent_s", 0.0) for p in self._phases.values())
         self.seed_overhead_s = max(0.5, spent - searched)   # (its log, the next seed's before this one's run)
+        meta = self.latency.meta if self.latency is not None else {}
         return {"budget_s": self.budget.seconds, "elapsed_s": round(self.budget.elapsed(), 2),
                 "plan": self.plan.to_dict(), "phases": self._phases, "cost_model": self.cost.to_dict(),
+                "calibration": {k: meta.get(k) for k in ("wall_s", "wall_per_service", "repeats", "skipped_lengths")},
                 "statuses": {m: {k: (r.get(k) or {}).get("status") for k in ("slo_throughput", "max_len")}
                              for m, r in results.items()},
                 "sharing": self.sharing}
