@@ -36,6 +36,12 @@ class PrefixIndex:
         self._prune_at = 1024
         self._held: Optional[int] = None  # the identity read once for the engine call running now
 
+    def reset(self, pool, dram) -> None:
+        """Forget every entry's record and follow the tiers ``pool`` and ``dram`` (an emptied cache)."""
+        self.pool, self.dram = pool, dram
+        self._entry_keys.clear()
+        self._prune_at = 1024
+
     @contextmanager
     def held(self) -> Iterator[int]:
         """Read the model identity once for one engine call (under the engine lock): every fingerprint and match
