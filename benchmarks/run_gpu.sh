@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check a CUDA machine should run, in one command: CUDA tests, kernel and engine benchmarks, static reports.
 #   bash benchmarks/run_gpu.sh [OUT_DIR]   OUT_DIR default benchmarks/results/gpu-<date>; steps default: all but
-#                                          slo-seeds, tiers-8k, tests-hopper-twin (20-30 min on an H100: compiles)
+#                                          slo-gpu, slo-seeds, tiers-8k, tests-hopper-twin (20-30 min: compiles)
 #   STEPS="rank kernels-splits" bash benchmarks/run_gpu.sh OUT_DIR     (a subset, in the order STEPS names them)
 # Needs torch with CUDA, triton, pybind11, cmake, ninja installed; no network (pip --no-build-isolation --no-deps).
 # Env: STEPS: the steps, in order (an unknown name stops the script before anything runs). DEADLINE_S: seconds from
@@ -20,7 +20,8 @@
 #   rank ~40, rank-compile <=420: bench rank, NVIDIA's shape; rank-small <=300 | host ~13: a replay's host work
 #   profile <=300, profile-graphs ~30, profile-graphs-hopper ~30 | ncu ~50, ncu-hopper, ncu-kernel <=300: Nsight
 #   tiers <=600, tiers-8k ~26: DRAM onload | slo, slo-graphs <=600: small model | slo-seeds <=7200: NVIDIA's shape
-# Plan for the next GPU run and what ran where: benchmarks/results/gpu-h100-2026-11-27/README.md, results/README.md.
+#   slo-gpu ~330: bench slo --budget-s 330, 3 seeds at NVIDIA's shape (first in the next run's plan)
+# Next GPU run: 1. STEPS=slo-gpu (one call) 2. rank profile-graphs; the plan, what ran: benchmarks/results/README.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-benchmarks/results/gpu-$(date -u +%F)}
@@ -220,6 +221,12 @@ step slo-graphs 600 $PY -m relaygr_engine.cli bench slo --device cuda --quick --
 # SLO_ARGS: more options for every seed (e.g. --quick; give the same to each call: the summary checks it).
 # --resume: a seed cut short by the call's deadline keeps every point it measured (slo-seeds/seedN/points.jsonl,
 # written as each finishes); copy its folder back in the same way and the next call serves only the points left.
+# The three seeds at NVIDIA's shape in one call: --budget-s 330 plans them to end within 330 s of wall time (the
+# calibration, compilation and graph capture paid once for all seeds), the install before it; the seeds' reports
+# and the summary are left in slo-gpu/, ready to commit, with the autotune choices (autotune.json: a later call
+# with the folder copied back reuses them and --resume its points).
+step slo-gpu 560 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/slo-gpu/autotune.json" $PY -m relaygr_engine.cli bench slo \
+    --device cuda --model nvidia-hstu --seeds 0,1,2 --budget-s 330 --no-progress --resume --out "${OUT_DIR}/slo-gpu"
 SLO_SEEDS=${SLO_SEEDS:-0,1,2}
 SLO_ARGS=${SLO_ARGS:-}
 step slo-seeds 7200 $PY -m relaygr_engine.cli bench slo --device cuda --model nvidia-hstu --seeds "${SLO_SEEDS}" \

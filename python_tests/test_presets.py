@@ -152,3 +152,24 @@ def test_run_gpu_sh_runs_the_seeds_command_line(fake_h100):
     assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile and not args.quick
     quick = _settings(slo.build_parser(), shlex.split(cmd.replace("${SLO_ARGS}", "--quick"))[2:] + ["--no-plots"])
     assert quick.quick and quick.shape == args.shape
+
+
+def test_run_gpu_sh_has_the_budgeted_seeds_step_first_in_its_plan(fake_h100):
+    """benchmarks/run_gpu.sh's slo-gpu step: the three seeds at NVIDIA's shape under --budget-s, fitting one
+    device call with the install, autotune choices kept in the run's folder; listed first in the header's plan."""
+    import pathlib
+    import shlex
+
+    script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
+    plan = [x for x in script.splitlines() if x.startswith("# Next GPU run: ")]
+    assert plan and plan[0].split("1. ", 1)[1].startswith("STEPS=slo-gpu")
+    line = next(x for x in script.replace("\\\n", " ").splitlines() if x.startswith("step slo-gpu "))
+    limit = int(line.split()[2])
+    words = shlex.split(line.replace('"${OUT_DIR}', '"out'))
+    assert "RELAYGR_AUTOTUNE_FILE=out/slo-gpu/autotune.json" in words
+    argv = words[words.index("relaygr_engine.cli") + 1:]
+    assert argv[:len(GPU_SEEDS)] == GPU_SEEDS and argv[argv.index("--out") + 1] == "out/slo-gpu"
+    args = _settings(slo.build_parser(), argv[2:] + ["--no-plots"])
+    assert args.budget_s == 330 and args.budget_s * 1.1 + 150 <= limit   # S + 10% and the install fit the step
+    assert args.shape == PRESETS[ModelPreset.NVIDIA_HSTU] and args.cuda_graphs and args.compile
+    assert set(args.planned) == {"requests", "warmup_requests", "min_duration_s", "rel_tol", "len_step", "repeats"}

@@ -157,3 +157,42 @@ def test_lockstep_searches_alternate_and_match_separate_searches():
         alone = slo_throughput(lambda q, limit=limit: (_queue_p99_ms(q, 1000.0 / limit / 1.5), None), 40.0, 5.0,
                                factor=2.0, **kw)
         assert res[name].best == alone.best and res[name].first_fail == alone.first_fail
+
+
+def test_a_search_started_near_its_answer_brackets_it_in_few_evaluations():
+    """``first_factor``: a sweep whose steps start small and square up to ``factor`` (a start measured before);
+    an integer search moves at least one step; the result is the same bracket a plain search finds."""
+    from relaygr_engine.bench.search import search_max
+
+    seen = []
+    res = search_max(lambda x: (seen.append(x) or x <= 230.0, None), 220.0, lo=1.0, hi=1e4, rel_tol=0.15,
+                     first_factor=1.15)
+    assert seen == [220.0, 220.0 * 1.15] and (res.best, res.status) == (220.0, "ok")   # 2 evaluations
+    seen.clear()
+    res = search_max(lambda x: (seen.append(x) or x <= 900.0, None), 220.0, lo=1.0, hi=1e4, rel_tol=0.15,
+                     first_factor=1.15)
+    ratios = [b / a for a, b in zip(seen, seen[1:4])]
+    assert ratios == pytest.approx([1.15, 1.15 ** 2, 1.15 ** 4]) and res.status == "ok"   # far: it speeds up
+    assert res.best <= 900.0 < res.first_fail <= 1.15 * res.best
+    seen.clear()
+    res = search_max(lambda x: (seen.append(x) or x <= 2200, None), 2176, lo=128, hi=4096, integer=True, step=128,
+                     first_factor=1.02)
+    assert seen == [2176, 2304] and (res.best, res.first_fail) == (2176, 2304)   # one step, not a snap in place
+    with pytest.raises(ValueError, match="first_factor"):
+        search_max(lambda x: (True, None), 1.0, lo=1.0, hi=2.0, factor=2.0, first_factor=3.0)
+
+
+def test_a_search_stops_at_its_deadline_with_the_bracket_so_far():
+    from relaygr_engine.bench.search import search_max
+
+    for limit, want in ((1, (8.0, None)), (2, (8.0, 16.0)), (4, (12.0, 14.0))):
+        seen = []
+        res = search_max(lambda x: (seen.append(x) or x <= 13.0, None), 8.0, lo=1.0, hi=100.0, rel_tol=0.01,
+                         stop=lambda: len(seen) >= limit)
+        assert len(seen) == limit and res.status == "deadline" and (res.best, res.first_fail) == want
+    res = search_max(lambda x: pytest.fail("evaluated"), 8.0, lo=1.0, hi=100.0, stop=lambda: True)
+    assert (res.best, res.first_fail, res.status, res.points) == (None, None, "deadline", [])
+    # an evaluation cut short answers None: not counted, the search ends with the bracket measured so far
+    answers = iter([(True, None), (False, None), None])
+    res = search_max(lambda x: next(answers), 8.0, lo=1.0, hi=100.0, rel_tol=0.01)
+    assert (res.best, res.first_fail, res.status, len(res.points)) == (8.0, 16.0, "deadline", 2)

@@ -1,6 +1,9 @@
 """Virtual-clock serving loop mechanics with a deterministic fake service-time engine."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -267,3 +270,66 @@ def test_the_latency_model_is_calibrated_on_the_baselines_own_ranking():
     lengths = sorted({L for L, _ in served})
     assert lengths[0] == 32 and lengths[-1] == 64 and {C for _, C in served} == {5}
     assert lat.meta["baseline"] == "paged" and lat.meta["cuda_graphs"] is False and lat.meta["compiled"] is False
+
+
+def test_abort_ends_the_run_where_it_is():
+    """``abort`` (a wall-clock deadline) is asked before every step: the run ends there, marked aborted."""
+    arr = [0.0, 1.0, 2.0, 3.0]
+    timer = FakeTimer()
+    svc = FakeService(timer, relay=False)
+    asked = []
+    res = simulate(svc, _workload(arr, delay=0.0), _qps(arr), timer=timer,
+                   abort=lambda: asked.append(1) or len(svc.log) >= 2)
+    assert res.aborted and len(svc.log) == 2 and len(res.latency_s) == 2 and len(asked) >= 3
+    res = simulate(FakeService(FakeTimer(), relay=False), _workload(arr, delay=0.0), _qps(arr), abort=lambda: False)
+    assert not res.aborted and len(res.latency_s) == 4
+
+
+class TickTimer:
+    """A service-time clock that advances 1 ms per reading: every job takes as long as its clock readings say, the
+    same in every run, so two runs of the same work give the same virtual times."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def test_a_reset_service_serves_a_run_exactly_as_a_fresh_one():
+    """The SLO benchmark reuses each worker's service across runs (``service.reset(trigger)``, keeping compiled
+    code and graphs): a run after a reset, even after a run of other work, matches a run on a freshly built
+    service in every latency, source, pre-infer count and engine counter."""
+    pytest.importorskip("torch")
+    import relaygr_engine as rg
+    from relaygr_engine.bench.sim import BaselineService, RelayService, TriggerHook
+    from relaygr_engine.workload import Workload
+    from relaygr_engine.policy import LatencyModel, SequenceAwareTrigger, TriggerConfig
+
+    w, model = _small_log_and_ranker(num_users=4, per_user=12, num_requests=12)
+    w = Workload([dataclasses.replace(r, warmup=i < 4) for i, r in enumerate(w.requests)], w.config, w.info)
+    lat = LatencyModel(0.0, 0.05, 0.0, device="cpu")
+
+    def trigger():
+        return SequenceAwareTrigger(lat, TriggerConfig(slo_ms=10.0, margin=0.1, expected_candidates=4))
+
+    def relay():
+        hook = TriggerHook(trigger())
+        engine = rg.RelayEngine(model, rg.CacheConfig(page_size=4, num_pages=48, lease_ttl_s=0.5, dram_bytes=1 << 20),
+                                trigger=hook, store_misses=True)
+        return RelayService(engine, hook, chunk_tokens=16)
+
+    def run(service, qps):
+        service.prepare(w.requests)
+        r = simulate(service, w, qps, timer=TickTimer())
+        return (r.latency_s.tolist(), r.sources, r.cached_tokens.tolist(), r.had_ticket.tolist(),
+                json.dumps(r.prefill, sort_keys=True), r.engine_stats)
+
+    for make in (relay, lambda: BaselineService(model)):
+        want = run(make(), 2.0)
+        service = make()
+        run(service, 20.0)                       # other work first: a loaded run leaves other state behind
+        service.reset(trigger())
+        assert run(service, 2.0) == want
+    assert want[4] != json.dumps({}) and "hbm" in run(relay(), 2.0)[1]

@@ -92,7 +92,22 @@ def _usage_error(prog: str, message: str) -> NoReturn:
     ArgumentParser(prog=prog).error(message)
 
 
+# When the command now running started (time.monotonic()) and whether it is a process of its own (a command
+# line: from the process's start; a call from Python: from the call); what `bench slo --budget-s` counts from
+# (it takes and clears it).
+CALL_STARTED: Optional[tuple] = None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    global CALL_STARTED
+    if argv is None:
+        from .bench.slo_budget import process_started
+
+        CALL_STARTED = (process_started(), True)
+    else:
+        import time
+
+        CALL_STARTED = (time.monotonic(), False)
     argv = list(sys.argv[1:] if argv is None else argv)
     names = _benchmarks()
     if not argv or argv[0] in ("-h", "--help"):

@@ -23,7 +23,9 @@ def build_parser():
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args, log, source = slo.prepare(build_parser(), argv)
+    started = slo.command_started()
+    parser = build_parser()
+    args, log, source = slo.prepare(parser, argv)
     if args.data:
         print(f"relaygr demo: workload from the interaction log {args.data}")
     else:
@@ -32,7 +34,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"relaygr demo: one worker on a virtual clock, real engine calls on {args.device}; SLO P99 <= "
           f"{args.slo_ms:g} ms; modes {','.join(args.modes)} ({'quick' if args.quick else 'full'} settings)\n",
           flush=True)
-    report = slo.run(args, log, source)
+    report = slo.run_checked(parser, args, log, source, started)
+    if args.seeds:
+        from . import seeds
+        seeds.print_summary(report, args.out)
+        return 0
     print()
     print(report["headline"])
     print()

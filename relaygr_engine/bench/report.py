@@ -76,7 +76,7 @@ def render_markdown(report: dict, plots: bool = True) -> str:
     lines += ["## Setup", ""]
     for k in ("device", "torch", "threads", "load_average", "baseline", "service_time_clock", "repeats", "workers",
               "model", "execution", "cache", "trigger", "workload_source", "length", "requests", "warmup_requests",
-              "candidates", "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick"):
+              "candidates", "pipeline_delay_ms", "suffix_tokens", "ref_qps", "quick", "sharing"):
         if k in s:
             lines.append(f"- **{k}**: {_fmt(s[k]) if not isinstance(s[k], (dict, list)) else json.dumps(s[k])}")
     wl = s.get("workload", {})

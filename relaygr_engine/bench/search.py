@@ -29,8 +29,10 @@ class SearchResult:
         Largest measured passing value (None when even ``lo`` fails).
     first_fail : float or None
         Smallest measured failing value above ``best`` (None when even ``hi`` passes).
-    status : {"ok", "capped", "none", "budget"}
-        ``"budget"``: ``max_evals`` ran out during the sweep, before a bracket was found.
+    status : {"ok", "capped", "none", "budget", "deadline"}
+        ``"budget"``: ``max_evals`` ran out during the sweep, before a bracket was found. ``"deadline"``: the
+        search's ``stop`` said so (a time limit) before it was done; ``best`` and ``first_fail`` are the bracket
+        measured so far (either may be None).
     points : list of (x, passed, payload)
         Every evaluation, in evaluation order.
     """
@@ -45,20 +47,26 @@ class SearchResult:
                 "evaluated": [x for x, _, _ in self.points], "passed": [bool(p) for _, p, _ in self.points]}
 
 
+class _Abandoned(Exception):
+    """An evaluation was answered None: the search ends with the bracket measured so far."""
+
+
 def search_max(evaluate: Callable[[float], tuple[bool, Any]], start: float, *, lo: float, hi: float,
                factor: float = 2.0, rel_tol: float = 0.05, integer: bool = False, step: int = 1,
-               max_evals: int = 40) -> SearchResult:
+               max_evals: int = 40, first_factor: Optional[float] = None,
+               stop: Optional[Callable[[], bool]] = None) -> SearchResult:
     """Largest ``x`` in ``[lo, hi]`` with ``evaluate(x)[0]`` true: a geometric sweep, then bisection.
 
     Parameters
     ----------
     evaluate : callable
         ``x -> (passed, payload)``; called at most once per distinct ``x``.
-    start, lo, hi, factor, rel_tol, integer, step, max_evals
+    start, lo, hi, factor, rel_tol, integer, step, max_evals, first_factor, stop
         See :func:`search_steps`.
     """
     return search_lockstep({"": (search_steps(start, lo=lo, hi=hi, factor=factor, rel_tol=rel_tol,
-                                              integer=integer, step=step, max_evals=max_evals), evaluate)})[""]
+                                              integer=integer, step=step, max_evals=max_evals,
+                                              first_factor=first_factor, stop=stop), evaluate)})[""]
 
 
 def search_lockstep(tasks: dict) -> dict:
@@ -87,7 +95,8 @@ def search_lockstep(tasks: dict) -> dict:
 
 
 def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel_tol: float = 0.05,
-                 integer: bool = False, step: int = 1, max_evals: int = 40):
+                 integer: bool = False, step: int = 1, max_evals: int = 40, first_factor: Optional[float] = None,
+                 stop: Optional[Callable[[], bool]] = None):
     """The search of :func:`search_max` as a generator: yields each ``x`` to evaluate, receives
     ``(passed, payload)``, and returns the :class:`SearchResult` (``StopIteration.value``).
 
@@ -105,6 +114,15 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         Search multiples of ``step`` only; bisection stops when ``fail - pass <= step``.
     max_evals : int
         Hard bound on evaluations; the bracket found so far is returned.
+    first_factor : float, optional
+        The sweep's first step (``1 < first_factor <= factor``), each next one the square of the last, up to
+        ``factor``: a start near the answer (a value measured before) brackets it in few evaluations, a start far
+        from it still sweeps geometrically. Default: every step ``factor``. An integer search moves at least one
+        ``step``.
+    stop : callable () -> bool, optional
+        Asked before every evaluation (a deadline): once True, the search ends with status ``"deadline"`` and the
+        bracket measured so far. An evaluation answered with None instead of ``(passed, payload)`` (one cut
+        short) ends it the same way, that value not counted.
     """
     if not (0 < lo <= hi):
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
@@ -114,6 +132,15 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
         raise ValueError(f"rel_tol must be > 0, got {rel_tol!r}")
     if integer and (not isinstance(step, int) or step < 1):
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
+    if first_factor is not None and not 1 < first_factor <= factor:
+        raise ValueError(f"first_factor must be in (1, factor={factor!r}], got {first_factor!r}")
+    stop = stop or (lambda: False)
+    sweep = [0]  # sweep steps taken
+
+    def grow() -> float:
+        f = factor if first_factor is None else min(factor, first_factor ** (2 ** sweep[0]))
+        sweep[0] += 1
+        return f
 
     def snap(x: float) -> float:
         x = min(max(x, lo), hi)
@@ -127,53 +154,78 @@ def search_steps(start: float, *, lo: float, hi: float, factor: float = 2.0, rel
 
     def ok(x: float):
         if x not in memo:
-            passed, payload = yield x
+            got = yield x
+            if got is None:
+                raise _Abandoned
+            passed, payload = got
             memo[x] = bool(passed)
             points.append((x, bool(passed), payload))
         return memo[x]
 
-    x = snap(start)
-    if (yield from ok(x)):
-        good = x
-        while True:
-            nx = snap(x * factor)
-            if nx <= x:
-                return SearchResult(good, None, "capped", points)
-            if len(points) >= max_evals:
-                return SearchResult(good, None, "budget", points)
-            if (yield from ok(nx)):
-                good = x = nx
+    def walk():
+        x = snap(start)
+        if stop():
+            return SearchResult(None, None, "deadline", points)
+        if (yield from ok(x)):
+            good = x
+            while True:
+                f = grow()
+                nx = snap(x * f)
+                if integer and nx <= x:
+                    nx = snap(x + step)
+                if nx <= x:
+                    return SearchResult(good, None, "capped", points)
+                if len(points) >= max_evals:
+                    return SearchResult(good, None, "budget", points)
+                if stop():
+                    return SearchResult(good, None, "deadline", points)
+                if (yield from ok(nx)):
+                    good = x = nx
+                else:
+                    bad = nx
+                    break
+        else:
+            bad = x
+            while True:
+                f = grow()
+                nx = snap(x / f)
+                if integer and nx >= x:
+                    nx = snap(x - step)
+                if nx >= x:
+                    return SearchResult(None, bad, "none", points)
+                if len(points) >= max_evals:
+                    return SearchResult(None, bad, "budget", points)
+                if stop():
+                    return SearchResult(None, bad, "deadline", points)
+                if (yield from ok(nx)):
+                    good = nx
+                    break
+                bad = x = nx
+        while len(points) < max_evals:
+            if integer:
+                if bad - good <= step:
+                    break
+                mid = snap(good + (bad - good) / 2)
+                if mid <= good or mid >= bad:
+                    break
             else:
-                bad = nx
-                break
-    else:
-        bad = x
-        while True:
-            nx = snap(x / factor)
-            if nx >= x:
-                return SearchResult(None, bad, "none", points)
-            if len(points) >= max_evals:
-                return SearchResult(None, bad, "budget", points)
-            if (yield from ok(nx)):
-                good = nx
-                break
-            bad = x = nx
-    while len(points) < max_evals:
-        if integer:
-            if bad - good <= step:
-                break
-            mid = snap(good + (bad - good) / 2)
-            if mid <= good or mid >= bad:
-                break
-        else:
-            if bad - good <= rel_tol * good:
-                break
-            mid = 0.5 * (good + bad)
-        if (yield from ok(mid)):
-            good = mid
-        else:
-            bad = mid
-    return SearchResult(good, bad, "ok", points)
+                if bad - good <= rel_tol * good:
+                    break
+                mid = 0.5 * (good + bad)
+            if stop():
+                return SearchResult(good, bad, "deadline", points)
+            if (yield from ok(mid)):
+                good = mid
+            else:
+                bad = mid
+        return SearchResult(good, bad, "ok", points)
+
+    try:
+        return (yield from walk())
+    except _Abandoned:  # an evaluation answered None (stopped by a deadline): the bracket measured so far
+        good = max((x for x, p, _ in points if p), default=None)
+        bad = min((x for x, p, _ in points if not p and (good is None or x > good)), default=None)
+        return SearchResult(good, bad, "deadline", points)
 
 
 def slo_throughput(p99_ms_at: Callable[[float], tuple[float, Any]], slo_ms: float, start_qps: float, *,

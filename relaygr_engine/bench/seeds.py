@@ -1,7 +1,9 @@
 """``relaygr bench slo --seeds 0,1,2``: the SLO benchmark once per seed, reported as medians with their spread.
 
 Each seed is a whole run of :func:`relaygr_engine.bench.slo.run` (its own synthetic draw or sample of the log,
-model weights, workload and searches) written to ``--out/seed{N}``. Ratios (relay / baseline, disaggregated /
+workload, trace and searches) written to ``--out/seed{N}``; the seeds of one command share the model (its weights
+do not depend on the seed), the calibration and the services (:mod:`relaygr_engine.bench.slo_shared`), and under
+``--budget-s`` one plan (:mod:`relaygr_engine.bench.slo_budget`). Ratios (relay / baseline, disaggregated /
 co-located) are measured inside each run and then summarised across seeds: the median, and the smallest and
 largest value. ``--out`` gets ``summary.md`` and ``summary.json``; the last line is ``RESULT
 slo_throughput_ratio=<median> slo_throughput_ratio_min=... slo_throughput_ratio_max=... max_len_ratio=... ...
@@ -80,6 +82,20 @@ def render(summary: dict, seeds: list[int], setup: dict) -> str:
                         [[m, _cell(v["slo_qps"]), _cell(v["max_len"])] for m, v in summary["modes"].items()]), "",
              rpt._table(["result", "median [min .. max]"], [[k, _cell(v)] for k, v in summary["result"].items()]),
              ""]
+    b = summary.get("budget")
+    if b:
+        from .slo_budget import Plan
+
+        lines += ["## Budget (--budget-s)", "", Plan.from_dict(b["plan"]).markdown(), "",
+                  f"The command used {b['elapsed_s']:g} s of its {b['budget_s']:g} s"
+                  + (f"; seeds not finished: {b['unfinished_seeds']}" if b.get("unfinished_seeds") else "")
+                  + ". The seeds shared the model (its weights do not depend on the seed), the calibration, the "
+                    "compiled model, the captured graphs and the code-path warm-up; each seed paid for its own log, "
+                    "workloads and runs (per seed: `seed<N>/report.md`, section Budget).", "",
+                  rpt._table(["seed", "phase", "predicted s", "deadline s", "spent s"],
+                             [[s, name, p.get("predicted_s"), p.get("deadline_s"), p.get("spent_s", "-")]
+                              for s, ph in b["phases"].items() for name, p in ph.items()]), "",
+                  "```", summary.get("result_line", ""), "```", ""]
     cx = summary.get("crossover")
     if cx:
         lines += ["## Co-located vs disaggregated", "",
@@ -128,29 +144,64 @@ def seed_args(args) -> list:
     return runs
 
 
-def run_seeds(args, run) -> dict:
-    """``run(args)`` once per seed of ``args.seeds`` (:func:`seed_args`); writes and returns the summary."""
-    reports = {}
-    for a in seed_args(args):
+def run_seeds(args, run, shared=None) -> dict:
+    """``run(args)`` once per seed of ``args.seeds`` (:func:`seed_args`); writes and returns the summary.
+
+    ``shared``: what the seeds share (:class:`~relaygr_engine.bench.slo_shared.Shared`). Under its budget, a seed
+    that does not fit any more is not started, and one stopped before its reference runs is not finished: both
+    are listed in the summary (their points, kept, let ``--resume`` continue them).
+
+    Raises
+    ------
+    relaygr_engine.bench.slo_budget.Deadline
+        No seed finished within the budget.
+    """
+    from .slo_budget import Deadline
+
+    reports, unfinished = {}, []
+    todo = seed_args(args)
+    for i, a in enumerate(todo):
+        if shared is not None:
+            shared.seeds_left = [x.seed for x in todo[i:]]
+            if not shared.can_start_seed():
+                unfinished += [x.seed for x in todo[i:]]
+                print(f"=== seeds {', '.join(str(x.seed) for x in todo[i:])}: not started (the budget's time left "
+                      f"does not fit one) ===", flush=True)
+                break
         print(f"=== seed {a.seed} ===", flush=True)
-        reports[a.seed] = run(a)
-    return write_summary(args.out, reports)
+        try:
+            reports[a.seed] = run(a)
+        except Deadline as e:
+            unfinished.append(a.seed)
+            print(f"seed {a.seed}: not finished within the budget ({e}); its points are kept in {a.out}", flush=True)
+    if not reports:
+        raise Deadline(f"no seed of {args.seeds} finished")
+    budget = None
+    if shared is not None and shared.budget is not None:
+        budget = {"budget_s": shared.budget.seconds, "unfinished_seeds": unfinished}
+    return write_summary(args.out, reports, budget=budget, elapsed=(lambda: shared.budget.elapsed()) if budget
+                         else None)
 
 
-def write_summary(out: str, reports: dict) -> dict:
+def write_summary(out: str, reports: dict, budget: Optional[dict] = None, elapsed=None) -> dict:
     """Summarise ``reports`` (seed -> one run's report) into ``out``: ``summary.json``, ``summary.md`` (and the
-    crossover plot of disaggregated runs); returns the summary with its ``result_line``."""
+    crossover plot of disaggregated runs); returns the summary with its ``result_line``.
+
+    Runs under ``--budget-s`` add the budget, the command's elapsed seconds (``elapsed()`` when the summary is
+    written, else the last report's) and the plan's resolution to the summary and its RESULT line; ``budget``
+    may list ``unfinished_seeds``."""
     seeds = sorted(reports)
     reports = {s: reports[s] for s in seeds}
     summary = summarize_seeds(reports)
     setup = next(iter(reports.values()))["setup"]
+    planned = [r["budget"] for r in reports.values() if r.get("budget")]
+    if planned:
+        summary["budget"] = dict({"budget_s": planned[0]["budget_s"], "plan": planned[0]["plan"],
+                                  "unfinished_seeds": [], "phases": {s: r["budget"]["phases"] for s, r in
+                                                                     reports.items() if r.get("budget")},
+                                  "sharing": {s: r["budget"].get("sharing") for s, r in reports.items()
+                                              if r.get("budget")}}, **(budget or {}))
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"seeds": seeds, "summary": summary}, f, indent=1, default=str)
-    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
-        f.write(render(summary, seeds, setup))
-    if summary.get("crossover"):
-        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(out, "crossover.png"))
     flat = {}
     for k in ("slo_throughput_ratio", "max_len_ratio", "slo_qps_relay", "slo_qps_baseline", "max_len_relay",
               "max_len_baseline", "resident_prefixes", "hbm_hit_rate", "hbm_pages"):
@@ -158,7 +209,19 @@ def write_summary(out: str, reports: dict) -> dict:
             v = summary["result"][k]
             flat.update({k: v["median"], f"{k}_min": v["min"], f"{k}_max": v["max"]})
     flat["seeds"] = len(seeds)
+    if planned:
+        b = summary["budget"]
+        b["elapsed_s"] = round(elapsed() if elapsed else max(p["elapsed_s"] for p in planned), 1)
+        plan = b["plan"]["values"]
+        flat.update(budget_s=b["budget_s"], elapsed_s=b["elapsed_s"], requests=plan["requests"],
+                    rel_tol=plan["rel_tol"], len_step=plan["len_step"], repeats=plan["repeats"])
     summary["result_line"] = rpt.result_line(flat)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"seeds": seeds, "summary": summary}, f, indent=1, default=str)
+    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(render(summary, seeds, setup))
+    if summary.get("crossover"):
+        plot_crossover(summary["crossover"], setup.get("workers", {}).get("K"), os.path.join(out, "crossover.png"))
     return summary
 
 

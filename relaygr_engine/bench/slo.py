@@ -20,6 +20,9 @@ thread CPU time as the service-time clock, marginal points repeated three times.
 production lengths and both sides run graphed and compiled (:mod:`relaygr_engine.bench.slo_setup`); NVIDIA's HSTU
 shape over three seeds: ``relaygr bench slo --device cuda --model nvidia-hstu --seeds 0,1,2``.
 
+``--budget-s S`` plans the searches' settings so that the whole command ends within S seconds
+(:mod:`relaygr_engine.bench.slo_budget`).
+
 Writes ``report.md``, ``report.json``, ``latency_vs_qps.png`` and ``max_len.png`` to ``--out`` and ends with
 ``RESULT slo_throughput_ratio=... max_len_ratio=... p99_ms_relay=... p99_ms_baseline=...`` (relay / baseline,
 measured in this run).
@@ -30,6 +33,7 @@ This module holds the command line (options, their checks, :func:`main`); the ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -42,7 +46,8 @@ from .slo_output import METHOD, Console, _wants_progress, print_paths, print_tab
 from .slo_run import _cpu_timer_ok, load_log, run
 from ..workload.logs import InteractionLog
 
-__all__ = ["build_parser", "apply_settings", "check_args", "load_checked_log", "run", "main", "METHOD"]
+__all__ = ["build_parser", "apply_settings", "check_args", "load_checked_log", "run", "run_checked", "main",
+           "METHOD"]
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -145,14 +150,23 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
     g.add_argument("--max-len-hi", type=POSITIVE_INT,
                    help="longest history the max-length search tries (the model's max_seq_len is the larger of "
                         "this and --max-history) " + slo_setup._help("max_len_hi"))
-    g.add_argument("--repeats", type=POSITIVE_INT, default=3,
-                   help="runs of a point whose P99 lies within --noise-band of the SLO (the majority decides)")
+    g.add_argument("--repeats", type=POSITIVE_INT,
+                   help="runs of a point whose P99 lies within --noise-band of the SLO (the majority decides) "
+                        "(default: 3)")
     g.add_argument("--noise-band", type=NON_NEGATIVE, default=0.25,
                    help="relative distance of P99 from the SLO within which a point is repeated")
     g.add_argument("--full-runs", action="store_true",
                    help="never stop a run early (by default a run stops once P99 > SLO is certain; its curve "
                         "point is then a lower bound)")
     g.add_argument("--no-max-len", action="store_true", help="skip the max-length search")
+    g.add_argument("--budget-s", type=POSITIVE,
+                   help="end the whole command (every seed, calibration, compilation and graph capture included) "
+                        "within this many seconds of wall time: the options --requests, --warmup-requests, "
+                        "--min-duration-s, --rel-tol, --len-step and --repeats not given are planned from the "
+                        "calibration's measured costs (the finest settings from the full ones down to the quick "
+                        "resolution with one run per point that fit), printed before serving and recorded in the "
+                        "reports; a usage error where not even the quick resolution fits "
+                        "(relaygr_engine.bench.slo_budget)")
     if quick:
         ap.set_defaults(quick=True)
         g.add_argument("--thorough", dest="quick", action="store_false",
@@ -173,13 +187,20 @@ def build_parser(prog: str = "relaygr bench slo", description: Optional[str] = N
 
 
 def apply_settings(args) -> None:
-    """Fill the options left unset: the quick or full settings, and the warm-up (1 or 2 x --requests)."""
-    settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
-    for key, value in settings.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.warmup_requests is None:
-        args.warmup_requests = (1 if args.quick else 2) * args.requests
+    """Fill the options left unset: the quick or full settings, the warm-up (1 or 2 x --requests) and three
+    repeats; with ``--budget-s`` those stay unset, listed in ``args.planned``: the run plans them."""
+    from .slo_budget import planned_keys
+
+    args.planned = planned_keys(args) if getattr(args, "budget_s", None) else []
+    if not args.planned:
+        settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
+        for key, value in settings.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        if args.warmup_requests is None:
+            args.warmup_requests = (1 if args.quick else 2) * args.requests
+        if args.repeats is None:
+            args.repeats = 3
     slo_setup.apply_defaults(args)
 
 
@@ -193,7 +214,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     slo_setup.check(parser, args)
     if args.candidates > args.num_items:
         parser.error(f"--candidates ({args.candidates}) must be <= --num-items ({args.num_items})")
-    if not args.no_max_len and args.len_step > args.max_len_hi:
+    if not args.no_max_len and args.len_step is not None and args.len_step > args.max_len_hi:
         parser.error(f"--len-step ({args.len_step}) must be <= --max-len-hi ({args.max_len_hi}), or pass "
                      "--no-max-len")
     if args.data and args.profile:
@@ -227,7 +248,7 @@ def _check_points(parser: argparse.ArgumentParser, args) -> None:
 
     for a in seed_args(args) if args.seeds else [args]:
         try:
-            PointLog(a.out, _settings(a))
+            PointLog(a.out, _settings(a, kept=True))
         except ValueError as e:
             parser.error(str(e))
 
@@ -240,11 +261,18 @@ def load_checked_log(parser: argparse.ArgumentParser, args) -> tuple[Interaction
     except ValueError as e:
         parser.error(f"argument {'--data' if args.data else '--profile'}: {e}")
     usable = log.num_eligible()
-    if usable < args.requests + args.warmup_requests:
+    from .slo_budget import LADDER
+
+    least = LADDER[-1].values()  # a budget plans what the log can serve, at least the last rung's
+    requests = args.requests if args.requests is not None else least["requests"]
+    warmup = args.warmup_requests if args.warmup_requests is not None else \
+        least["warmup_requests"] * requests // least["requests"]
+    if usable < requests + warmup:
         where = f"--data {args.data}" if args.data else "the workload profile"
         parser.error(f"{where} has {usable} events usable as requests (users' events after their first), but "
-                     f"--requests {args.requests} + --warmup-requests {args.warmup_requests} need "
-                     f"{args.requests + args.warmup_requests}: give smaller values")
+                     f"--requests {requests} + --warmup-requests {warmup} need {requests + warmup}: give smaller "
+                     f"values")
+    args.usable_events = usable
     return log, source
 
 
@@ -259,14 +287,53 @@ def prepare(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> tuple
     return args, log, source
 
 
+def command_started() -> tuple[float, bool]:
+    """When this command started (``time.monotonic()``) and whether it is a process of its own: as ``relaygr``
+    recorded it (the process's start for a command line), else now (a call from Python)."""
+    import time
+
+    from .. import cli
+
+    started, cli.CALL_STARTED = cli.CALL_STARTED, None
+    return (time.monotonic(), False) if started is None else started
+
+
+_EXIT_S = 2.0  # what a process that imported torch takes to exit (its teardown; 1-3 s on a loaded CPU)
+
+
+def run_checked(parser: argparse.ArgumentParser, args, log, source, started: tuple[float, bool]):
+    """:func:`run`, once per seed with ``--seeds``, sharing one :class:`~relaygr_engine.bench.slo_shared.Shared`;
+    a budget too small is a usage error (exit status 2). Returns the report, or the seeds' summary."""
+    from .slo_budget import BudgetTooSmall
+    from .slo_shared import Shared
+
+    shared = Shared(args, started[0], exit_s=_EXIT_S if started[1] else 0.0)
+    os.makedirs(args.out, exist_ok=True)  # (from the start: RELAYGR_AUTOTUNE_FILE may name a file in it)
+    try:
+        if args.seeds:
+            from . import seeds
+            return seeds.run_seeds(args, lambda a: run(a, *load_checked_log(parser, a), shared=shared), shared)
+        return run(args, log, source, shared=shared)
+    except BudgetTooSmall as e:
+        parser.error(str(e))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    started = command_started()
     parser = build_parser()
     args, log, source = prepare(parser, argv)
+    from .slo_budget import Deadline
+
+    try:
+        report = run_checked(parser, args, log, source, started)
+    except Deadline as e:
+        print(f"\nnot finished within --budget-s {args.budget_s:g}: {e} (the points measured are kept in "
+              f"{args.out}: --resume continues)", flush=True)
+        return 1
     if args.seeds:
         from . import seeds
-        seeds.print_summary(seeds.run_seeds(args, lambda a: run(a, *load_checked_log(parser, a))), args.out)
+        seeds.print_summary(report, args.out)
         return 0
-    report = run(args, log, source)
     print()
     print(report["headline"])
     print()

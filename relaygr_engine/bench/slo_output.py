@@ -2,6 +2,7 @@
 and verdicts of the search, the headline and notes, the progress console and the final table."""
 from __future__ import annotations
 
+import json
 import sys
 from typing import Optional
 
@@ -113,6 +114,29 @@ def _notes(args, results, relay_mode) -> list[str]:
             if key in r and r[key]["status"] != "ok":
                 notes.append(f"{m}: {key} search status '{r[key]['status']}' (see the search ranges).")
     return notes
+
+
+def budget_markdown(budget: dict) -> str:
+    """The report's budget section: the plan, each phase's prediction, share and time spent, the searches'
+    statuses, and what this seed paid itself beside what the command paid once."""
+    from .slo_budget import Plan
+
+    plan = Plan.from_dict(budget["plan"])
+    rows = [[name, p.get("predicted_s"), p.get("deadline_s"), round(p["spent_s"], 2) if "spent_s" in p else "-"]
+            for name, p in budget["phases"].items()]
+    statuses = "; ".join(f"{m}: " + ", ".join(f"{k} {v}" for k, v in st.items() if v)
+                         for m, st in budget["statuses"].items())
+    share = budget.get("sharing", {})
+    return "\n".join([
+        plan.markdown(), "",
+        f"The command had used {budget['elapsed_s']:.1f} s of its {budget['budget_s']:g} s when this report was "
+        f"written. Each phase's share of the time left (its deadline, from its start) follows the predictions; a "
+        f"search starts no evaluation past it (status `deadline`).", "",
+        rpt._table(["phase", "predicted s", "deadline s", "spent s"], rows), "",
+        f"Search statuses: {statuses}. Cost model: {json.dumps(budget.get('cost_model', {}))}. Calibration: "
+        f"{json.dumps(budget.get('calibration', {}))}.", "",
+        f"Paid once for the command: {json.dumps(share.get('paid_once', {}))}. Paid by this seed itself: "
+        f"{json.dumps(share.get('paid_by_this_seed', {}))}.", ""])
 
 
 def _wants_progress(args) -> bool:

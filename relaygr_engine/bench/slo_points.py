@@ -5,7 +5,8 @@ settings (:func:`relaygr_engine.bench.slo_run._settings`) and its calibrated lat
 finished point (a judged QPS or length, a reference run), each written and flushed as it finishes. A rerun with
 ``--resume``, the same settings and ``--out`` takes the calibration back (so its searches walk the same QPS and
 lengths) and serves only the points not yet measured; a file written under other settings is then refused before
-anything runs. Without ``--resume`` a run starts the file afresh, as it rewrites the report.
+anything runs. Without ``--resume`` a run starts the file afresh, as it rewrites the report. A run under
+``--budget-s`` also keeps its plan (one line, :meth:`PointLog.put_plan`): a resumed run serves the same settings.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class PointLog:
     def __init__(self, out: str, settings: dict, resume: bool = True) -> None:
         self.path = os.path.join(out, FILE)
         self.latency: Optional[dict] = None  # the kept calibration, where a run was here before
+        self.plan: Optional[dict] = None     # the kept budget plan (--budget-s)
         self._points: dict = {}
         self._fresh = not resume
         if resume and os.path.exists(self.path):
@@ -47,7 +49,8 @@ class PointLog:
                 raise ValueError(f"{self.path} holds the points of a run with other settings ({', '.join(differ)} "
                                  f"differ): give another --out, or run without --resume to start over")
             self.latency = head.get("latency")
-            self._points = {line["key"]: line["value"] for line in lines[1:]}
+            self._points = {line["key"]: line["value"] for line in lines[1:] if "key" in line}
+            self.plan = next((line["plan"] for line in lines[1:] if "plan" in line), None)
         self._settings = settings
 
     def __len__(self) -> int:
@@ -62,6 +65,13 @@ class PointLog:
             os.remove(self.path)
         self.latency = latency
         self._append({"settings": self._settings, "latency": latency})
+
+    def put_plan(self, plan: dict) -> None:
+        """Keep the run's budget plan (once; a resumed run takes it back as :attr:`plan`)."""
+        assert self.latency is not None, "start() writes the header first"
+        if self.plan is None:
+            self.plan = json.loads(json.dumps(plan, default=_plain))
+            self._append({"plan": self.plan})
 
     def get(self, *key) -> Optional[Any]:
         """The value kept for ``key`` (kind, mode, QPS, base length), or None."""

@@ -8,21 +8,26 @@ requests and ``--batch-tokens`` tokens. The crossover compares each P with the c
 SLO-compliant throughput, the longest history within the SLO, and the smallest P from which disaggregation is at
 least as good, beside the P that the ratio policy (:mod:`relaygr_engine.policy.ratio`) derives from the
 co-located run's measured service rates.
+
+Each mode's services are built once per command and reset before every run (:class:`Pool`): a run starts from
+empty caches and zeroed counters as on freshly built workers, while compiled code and captured graphs survive.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
 from ..policy.ratio import ServiceRates, split
-from .sim import (BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role, TriggerHook,
-                      Worker, disaggregated_workers)
+from .sim import (AdmitAll, BaselineService, BatchPolicy, Mode, PreInferService, RelayService, Role,
+                      TriggerHook, Worker, disaggregated_workers)
 
-__all__ = ["add_arguments", "check", "modes", "baseline", "build", "batch_policy", "crossover", "crossover_markdown",
-           "plot_crossover"]
+__all__ = ["add_arguments", "check", "modes", "baseline", "build", "Pool", "batch_policy", "crossover",
+           "crossover_markdown", "plot_crossover"]
 
 _DISAGG = re.compile(r"^disagg_p(\d+)$")
 
@@ -77,21 +82,18 @@ def batch_policy(args) -> BatchPolicy:
     return BatchPolicy(args.max_batch, args.batch_tokens)
 
 
-def _relay(bench, dram_mb: float, trigger: bool, chunk_tokens: int, store_misses: bool) -> RelayService:
-    """One relay worker's service: its own engine and cache (and trigger hook when ``trigger``)."""
+def _relay(args, model, dram_mb: float, hooked: bool, chunk_tokens: int, store_misses: bool) -> RelayService:
+    """One relay worker's service: its own engine and cache, with a trigger hook when ``hooked`` (its trigger is
+    given per run, :meth:`Pool.workers`)."""
     from ..config import CacheConfig
     from ..engine import RelayEngine
-    from ..policy import SequenceAwareTrigger, TriggerConfig
 
-    a = bench.args
+    a = args
     cc = CacheConfig(device=a.device, page_size=a.page_size, dtype=a.shape.torch_dtype,
                      hbm_bytes=int(a.hbm_mb * 2**20), lease_ttl_s=a.lease_ms / 1e3, dram_bytes=int(dram_mb * 2**20),
                      kv_dtype=a.kv_dtype)
-    hook = None
-    if trigger and not a.no_trigger:
-        hook = TriggerHook(SequenceAwareTrigger(bench.lat, TriggerConfig(
-            slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)))
-    engine = RelayEngine(bench.model, cc, trigger=hook, store_misses=store_misses, cuda_graphs=a.cuda_graphs,
+    hook = TriggerHook(AdmitAll()) if hooked and not a.no_trigger else None
+    engine = RelayEngine(model, cc, trigger=hook, store_misses=store_misses, cuda_graphs=a.cuda_graphs,
                          compile_model=a.compile)
     return RelayService(engine, hook, chunk_tokens=chunk_tokens, device=a.device)
 
@@ -103,19 +105,138 @@ def baseline(model, a) -> BaselineService:
                            page_size=a.page_size)
 
 
-def build(bench, mode: str, trigger: bool = True) -> list[Worker]:
-    """Fresh workers of one mode (see the module doc)."""
-    a, K = bench.args, bench.args.workers
+def build(args, model, mode: str, timer=None) -> list[tuple]:
+    """The services of one mode's workers, with their roles (see the module doc); relay services with a trigger
+    hook where the mode pre-infers through the trigger."""
+    a, K = args, args.workers
     store = not a.no_store_misses
     if mode == Mode.BASELINE.value:
-        return [Worker(baseline(bench.model, a)) for _ in range(K)]
+        return [(baseline(model, a), Role.BOTH) for _ in range(K)]
     P = disagg_p(mode)
     if P is None:
         dram = a.dram_mb if mode == Mode.RELAY.value else 0.0
-        return [Worker(_relay(bench, dram, trigger, a.chunk_tokens, store), Role.BOTH) for _ in range(K)]
-    pre = [PreInferService(_relay(bench, 0.0, trigger, 0, store), timer=bench.timer) for _ in range(P)]
-    rank = [_relay(bench, a.dram_mb, False, 0, store) for _ in range(K - P)]
-    return disaggregated_workers(pre, rank)
+        return [(_relay(a, model, dram, True, a.chunk_tokens, store), Role.BOTH) for _ in range(K)]
+    clock = timer if timer is not None else time.perf_counter
+    pre = [PreInferService(_relay(a, model, 0.0, True, 0, store), timer=clock) for _ in range(P)]
+    rank = [_relay(a, model, a.dram_mb, False, 0, store) for _ in range(K - P)]
+    return [(w.service, w.role) for w in disaggregated_workers(pre, rank)]
+
+
+def _footprint(args, mode: str) -> tuple[int, int]:
+    """Device and host bytes the caches of one mode's workers hold (the baseline's one-page caches: none)."""
+    if mode == Mode.BASELINE.value:
+        return 0, 0
+    mb = 2**20
+    P = disagg_p(mode)
+    relays = args.workers
+    dram = (args.dram_mb if mode == Mode.RELAY.value else 0.0) * args.workers if P is None else \
+        args.dram_mb * (args.workers - P)
+    return int(args.hbm_mb * mb) * relays, int(dram * mb)
+
+
+def _memory(device: str) -> tuple[int, int]:
+    """The device's memory and the host's, in bytes (host: what the OS reports, else unbounded)."""
+    import os
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        host = 1 << 62
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory, host
+    return host, host
+
+
+class Pool:
+    """Each mode's services, built once and reset before every run, so that what a service pays once (the compiled
+    model, captured CUDA graphs, allocated pages) is paid once per command instead of once per run.
+
+    :meth:`workers` resets the mode's services (``service.reset(trigger)``: each engine's cache emptied and its
+    counters zeroed, :meth:`relaygr_engine.RelayEngine.reset`; the trigger hooks given a new trigger) and wraps them
+    in new :class:`Worker` objects (idle, empty queues), so every run starts as on freshly built workers. The
+    services of the modes used longest ago are dropped (and built again when next needed) where keeping every
+    mode's caches would pass ``share`` of the device's (or host's) memory.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The benchmark's options (checked).
+    model : nn.Module
+        The ranker every service serves.
+    timer : callable
+        The service-time clock (a disaggregated pre-infer worker times its packing with it).
+    share : float
+        Of the device's memory (and of the host's), what the kept caches may hold together.
+    """
+
+    def __init__(self, args, model, timer=None, share: float = 0.6) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share!r}")
+        self.args, self.model, self.timer = args, model, timer
+        self._services: collections.OrderedDict = collections.OrderedDict()   # mode -> [(service, role)]
+        self.builds: collections.Counter = collections.Counter()             # mode -> times built
+        self.runs: collections.Counter = collections.Counter()               # mode -> runs served
+        device, host = _memory(args.device)
+        self._limit = (share * device, share * host)
+
+    def services(self, mode: str) -> list[tuple]:
+        """The mode's ``(service, role)`` pairs, built if needed (dropping the least recently used modes' services
+        while the caches would not fit)."""
+        if mode in self._services:
+            self._services.move_to_end(mode)
+            return self._services[mode]
+        need = _footprint(self.args, mode)
+        while self._services and any(sum(_footprint(self.args, m)[i] for m in self._services) + need[i] >
+                                     self._limit[i] for i in (0, 1)):
+            self._services.popitem(last=False)
+            _release(self.args.device)
+        self._services[mode] = build(self.args, self.model, mode, timer=self.timer)
+        self.builds[mode] += 1
+        return self._services[mode]
+
+    def baseline_service(self) -> BaselineService:
+        """The first baseline worker's service (what the latency model is calibrated on), reset."""
+        service = self.services(Mode.BASELINE.value)[0][0]
+        service.reset()
+        return service
+
+    def workers(self, mode: str, latency_model, trigger: bool = True, requests=()) -> list[Worker]:
+        """Workers of ``mode`` for one run: its services reset, relay hooks with a new
+        :class:`~relaygr_engine.policy.SequenceAwareTrigger` on ``latency_model`` (``trigger=False``: one that
+        admits every pre-infer, for the code-path warm-up), their request tensors prepared."""
+        from ..policy import SequenceAwareTrigger, TriggerConfig
+
+        a = self.args
+        out = []
+        for service, role in self.services(mode):
+            new = None
+            if _hooked(service):
+                new = SequenceAwareTrigger(latency_model, TriggerConfig(
+                    slo_ms=a.slo_ms, margin=a.trigger_margin, expected_candidates=a.candidates)) if trigger \
+                    else AdmitAll()
+            service.reset(new)
+            service.prepare(requests)
+            out.append(Worker(service, role))
+        self.runs[mode] += 1
+        return out
+
+
+def _hooked(service) -> bool:
+    relay = getattr(service, "relay", service)
+    return getattr(relay, "hook", None) is not None
+
+
+def _release(device: str) -> None:
+    """Hand the device memory of dropped services back (CUDA's caching allocator)."""
+    import gc
+
+    gc.collect()
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def crossover(results: dict, colocated: str, ps: list[int], workers: int) -> dict:

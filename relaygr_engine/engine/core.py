@@ -130,6 +130,19 @@ class RelayEngine:
             return int.from_bytes(hashlib.blake2b(self.model_version.encode(), digest_size=8).digest(), "little")
         return self._weights.value
 
+    def reset(self) -> None:
+        """Empty the cache and zero the counters: afterwards the engine serves as a freshly built one with the same
+        arguments would, but keeps what is paid once (the compiled model, captured CUDA graphs, the page memory).
+
+        Every entry leaves both tiers (pending tickets go stale), leases end, the expander forgets its measured
+        costs and every ``stats()`` counter restarts at zero. The trigger, if any, is the caller's to reset.
+        """
+        with self._lock:
+            self.state.reset()
+            self.pool, self.dram, self.expander = self.state.pool, self.state.dram, self.state.expander
+            self.index.reset(self.pool, self.dram)
+            self.runner.timer.pending.clear()   # spans of earlier work: not this run's costs
+
     def mark_weights_changed(self) -> None:
         """Rehash the model's state on the next call (after replacing a submodule or editing ``.data``)."""
         if self._weights is not None:

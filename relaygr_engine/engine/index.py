@@ -143,6 +143,12 @@ class PrefixIndex:
         self._prune_at = 1024
         self._held: Optional[int] = None  # the identity read once for the engine call running now
 
+    def reset(self, pool, dram) -> None:
+        """Forget every entry's record and follow the tiers ``pool`` and ``dram`` (an emptied cache)."""
+        self.pool, self.dram = pool, dram
+        self._records.clear()
+        self._prune_at = 1024
+
     def held(self) -> "_Held":
         """Read the model identity once for one engine call (under the engine lock; a context manager): every
         fingerprint and match inside uses that value instead of reading the weights' counters per request."""

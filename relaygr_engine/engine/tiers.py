@@ -3,6 +3,7 @@ reload."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -92,6 +93,28 @@ class CacheState:
                 if config.dram_bytes > 0 else None)
         onload = LayerOnload(cache) if dram is not None and config.layered_onload else None
         return cls(config, cache, dram, onload=onload)
+
+    def reset(self) -> None:
+        """Empty the cache as a fresh engine's is, in place: a new pool (every page free, its counters at zero),
+        the page memory and timestamps zeroed, an empty DRAM tier, no leases, the expander's costs unlearned, the
+        counters zeroed. The tensors stay where they are (captured CUDA graphs keep reading them) and so do the
+        objects that hold this state."""
+        self.join_onload()
+        self.sync()
+        c = self.cache
+        c.pool = type(c.pool)(c.num_pages, c.page_size, c.pool.max_pinned_pages)
+        for t in c.kv:
+            t.zero_()
+        c.timestamps.zero_()
+        if self.dram is not None:
+            self.dram = HostKVTier(self.dram.capacity_bytes, pin_memory=self.dram.pin_memory)
+        self.expander = ReloadCostModel(self.expander.alpha)
+        self.leased = Leases()
+        for f in dataclasses.fields(self.counters):
+            setattr(self.counters, f.name, f.default)
+        if self.onload is not None:
+            self.onload.copies = 0
+        self.sync()
 
     @property
     def pool(self):

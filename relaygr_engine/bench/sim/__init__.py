@@ -58,12 +58,12 @@ from __future__ import annotations
 from .batching import BatchPolicy
 from .clock import RunResult, simulate
 from .disaggregate import PreInferService, disaggregated_workers
-from .relay import RelayService, TriggerHook
+from .relay import AdmitAll, RelayService, TriggerHook
 from .services import (BaselineImpl, BaselineService, Mode, PrefillOutcome, RankOutcome, Service, cpu_timer,
                        cpu_timer_valid, service_clock, to_behaviors)
 from .workers import Role, Worker
 
 __all__ = ["Mode", "BaselineImpl", "RankOutcome", "PrefillOutcome", "Service", "BaselineService", "RelayService",
-           "TriggerHook", "RunResult", "simulate", "to_behaviors", "cpu_timer", "cpu_timer_valid",
+           "TriggerHook", "AdmitAll", "RunResult", "simulate", "to_behaviors", "cpu_timer", "cpu_timer_valid",
            "service_clock", "BatchPolicy", "Role", "Worker",
            "PreInferService", "disaggregated_workers"]

@@ -55,6 +55,7 @@ class RunResult:
     stopped_early: bool = False
     num_requests: int = 0
     workers: int = 1
+    aborted: bool = False
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -280,13 +281,15 @@ def _merged_stats(workers: list[Worker]) -> dict:
 
 def simulate(service: Union[Service, Sequence[Worker]], workload: Workload, qps: float, *, mode: str = "",
              timer: Callable[[], float] = time.perf_counter, progress=None,
-             stop_over: Optional[tuple[float, int]] = None, batch: Optional[BatchPolicy] = None) -> RunResult:
+             stop_over: Optional[tuple[float, int]] = None, batch: Optional[BatchPolicy] = None,
+             abort: Optional[Callable[[], bool]] = None) -> RunResult:
     """Serve ``workload`` at ``qps`` with workers on a virtual clock (see the package doc).
 
     Parameters
     ----------
     service : Service or list of Worker
-        A fresh service (one co-located worker), or fresh workers (their cache state is part of the run).
+        A fresh service (one co-located worker), or fresh workers (their cache state is part of the run): built
+        for the run, or reset (``service.reset()``: the same state as built, compiled code and graphs kept).
     workload : Workload
     qps : float
         Target mean arrival rate (> 0).
@@ -302,6 +305,9 @@ def simulate(service: Union[Service, Sequence[Worker]], workload: Workload, qps:
         and ``stopped_early`` is True.
     batch : BatchPolicy, optional
         How many queued rankings a worker serves per call (default: one).
+    abort : callable () -> bool, optional
+        Asked before every step (a wall-clock deadline): once it returns True the run ends where it is, with
+        ``aborted`` True; such a result holds what was served and answers nothing (its caller discards it).
 
     Returns
     -------
@@ -318,13 +324,19 @@ def simulate(service: Union[Service, Sequence[Worker]], workload: Workload, qps:
         raise ValueError("workload has no measured requests")
     loop = _Loop(workers, workload, qps, timer, progress, stop_over, batch or BatchPolicy())
     wall0 = time.perf_counter()
+    aborted = False
     while loop.served < loop.n and not loop.stopped:
+        if abort is not None and abort():
+            aborted = True
+            break
         w = min(workers, key=lambda v: v.t)
         assert math.isfinite(w.t), "no pending event while requests remain unserved"
         loop.admit(w.t)
         loop.step(w)
-    return _result(loop, workers, workload, qps, mode or type(workers[0].service).__name__,
-                   time.perf_counter() - wall0)
+    res = _result(loop, workers, workload, qps, mode or type(workers[0].service).__name__,
+                  time.perf_counter() - wall0)
+    res.aborted = aborted
+    return res
 
 
 def _result(loop: _Loop, workers: list[Worker], workload: Workload, qps: float, mode: str, wall: float) -> RunResult:

@@ -45,6 +45,10 @@ class PreInferService:
     def prepare(self, requests) -> None:
         self.relay.prepare(requests)
 
+    def reset(self, trigger=None) -> None:
+        """A new run (:meth:`RelayService.reset`)."""
+        self.relay.reset(trigger)
+
     def prefill(self, req: Request, now: float) -> PrefillOutcome:
         out = self.relay.prefill(req, now)
         if not out.admitted:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 from ...workload.requests import Request
 from .services import PrefillOutcome, RankOutcome, _sync, _Tensors
 
-__all__ = ["TriggerHook", "RelayService"]
+__all__ = ["TriggerHook", "AdmitAll", "RelayService"]
 
 
 class TriggerHook:
@@ -28,6 +28,12 @@ class TriggerHook:
         self._now = 0.0
         self._decision = None
         self.reserved: dict[int, int] = {}       # request index -> tokens reserved with the trigger
+
+    def reset(self, trigger) -> None:
+        """Start afresh with ``trigger`` (a new run: no request, decision or reservation carried over)."""
+        self.trigger = trigger
+        self._req, self._now, self._decision = None, 0.0, None
+        self.reserved = {}
 
     def begin(self, req: Request, now: float) -> None:
         """Called by the service before each prefill call of ``req``."""
@@ -60,6 +66,21 @@ class TriggerHook:
 
     def stats(self, now: Optional[float] = None) -> dict:
         return self.trigger.stats(now=self._now if now is None else now)
+
+
+class AdmitAll:
+    """A trigger that admits every pre-infer (a :class:`TriggerHook`'s trigger while a run warms code paths up)."""
+
+    def decide(self, **kwargs):
+        from ...policy import TriggerDecision
+
+        return TriggerDecision(True, "at_risk", 0.0)
+
+    def on_prefill_done(self, tokens: int, now: Optional[float] = None) -> None:
+        pass
+
+    def stats(self, now: Optional[float] = None) -> dict:
+        return {}
 
 
 class RelayService:
@@ -100,6 +121,16 @@ class RelayService:
 
     def prepare(self, requests) -> None:
         self._t.prepare(requests)
+
+    def reset(self, trigger=None) -> None:
+        """Serve a new run as a freshly built service would: the engine emptied (:meth:`RelayEngine.reset`: its
+        compiled model and captured graphs kept), the trigger hook given ``trigger`` (a new one per run), no
+        tickets, chunks or request tensors kept."""
+        self.engine.reset()
+        if self.hook is not None:
+            self.hook.reset(trigger if trigger is not None else self.hook.trigger)
+        self._t = _Tensors(self._t.device)
+        self._tickets, self._done, self._now = {}, {}, 0.0
 
     def prefill(self, req: Request, now: float) -> PrefillOutcome:
         import torch

@@ -140,6 +140,13 @@ class BaselineService:
     def prepare(self, requests) -> None:
         self._t.prepare(requests)
 
+    def reset(self, trigger=None) -> None:
+        """Serve a new run as a freshly built service would (its cache-less engine's counters zeroed, graphs and
+        compiled model kept; no request tensors kept). ``trigger``: unused (the baseline never pre-infers)."""
+        if self._engine is not None:
+            self._engine.reset()
+        self._t = _Tensors(self._t.device)
+
     def rank(self, req: Request, now: float) -> RankOutcome:
         hist, cands = self._t.get(req)
         self.score(hist, cands, request_time=req.request_ts)
