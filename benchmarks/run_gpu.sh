@@ -163,8 +163,8 @@ step rank 300 env RELAYGR_AUTOTUNE_FILE="${OUT_DIR}/autotune-rank.json" $PY -m r
     --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 \
     --cuda-graphs --json "${OUT_DIR}/rank.json"
 # The engine's host work in a graphed cached ranking at the shape of rank, the replay stubbed (this machine's CPU; a
-# ranking's latency is this, then the graph launch and the GPU work), and where it goes (--phases).
-step host 180 $PY benchmarks/tools/host_work.py --device cuda --phases
+# ranking's latency is this, then the graph launch and the GPU work), and where it goes (each step's time).
+step host 180 $PY -m relaygr_engine.cli bench host --device cuda --json "${OUT_DIR}/host.json"
 # The same with the whole model compiled (torch.compile) on every path: fewer, fused kernels per graph.
 step rank-compile 420 $PY -m relaygr_engine.cli bench rank --device cuda --model nvidia-hstu \
     --page-size 64 --lengths 4096 --new 128 --candidates 256 --repeats 10 --cuda-graphs --compile \

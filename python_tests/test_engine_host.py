@@ -229,3 +229,23 @@ def test_a_graph_bucket_plans_the_splits_the_eager_plan_does_at_nvidias_shape():
     former = type(graphed)(128, 128, 2, 384, 64, 72, padded[0], padded[1], graphed.max_key_len, 3968,
                            graphed.max_context_len, {})
     assert decide(former, h100, kcfg, **layer).num_splits == 4
+
+
+# ----------------------------------------------------------------------------------------------- kept tables
+def test_a_kept_torch_plan_serves_only_its_layout():
+    """The torch backend's plan is kept per layout (entries, cached tokens, pages, rows, row times): other
+    candidate ids of the same count reuse it, another request time, another user's pages or another history length
+    build their own; every ranking exact."""
+    model = make_model()
+    engine = make_engine(model, extend_on_rank=False)
+    h1, h2 = history(30, seed=1), history(30, seed=2)
+    engine.prefill_prefix(1, h1.prefix(24))
+    engine.prefill_prefix(2, h2.prefix(24))
+    plans = engine.runner._torch_plans
+    last = int(h1.timestamps[-1])
+    for user, h, c, t_req, kept in ((1, h1, candidates(3, seed=1), None, 1), (1, h1, candidates(3, seed=2), None, 1),
+                                    (1, h1, candidates(3, seed=2), last + 60, 2), (2, h2, candidates(3), None, 3),
+                                    (1, h1.prefix(28), candidates(3), None, 4), (1, h1, candidates(3), None, 4)):
+        r = engine.rank_with_prefix(user, h, c, request_time=t_req)
+        assert r.cached_tokens == 24 and len(plans) == kept
+        assert_exact(r, model, h, c, request_time=t_req)

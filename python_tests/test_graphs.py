@@ -75,11 +75,11 @@ def test_arena_hands_out_no_buffer_a_pending_copy_still_reads_cuda():
 
 
 def test_row_tables_written_segment_by_segment_equal_the_whole_batch_ones():
-    """``structure_arrays(out=...)`` with few segments writes each segment's rows by slices; with many, or without
-    ``out``, it builds whole-batch arrays: every table equal, for random segments (empty ones, all-candidate ones,
+    """``structure_arrays`` with few segments writes each segment's rows by slices (into ``out`` or new arrays); with
+    many, it builds whole-batch arrays: every table equal, for random segments (empty ones, all-candidate ones,
     contextual rows, long prefixes), with and without positions (the tables start filled with 7s: every entry is
     written)."""
-    from relaygr_engine import batch as B
+    from relaygr_engine import rows as B
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -95,6 +95,10 @@ def test_row_tables_written_segment_by_segment_equal_the_whole_batch_ones():
         assert got is out and set(got) == set(whole)
         for name, a in whole.items():
             np.testing.assert_array_equal(got[name], a, err_msg=f"{name} (trial {trial}, {n} segments)")
+        ref = B._whole_batch(starts, rows, ncand, nctx, tokens)  # (few segments: both above went segment-wise)
+        assert set(ref) == set(whole)
+        for name, a in ref.items():
+            np.testing.assert_array_equal(whole[name], a, err_msg=f"{name} (trial {trial}, {n} segments)")
 
 
 def test_staging_packs_tensors_of_any_dtype_at_their_offsets():

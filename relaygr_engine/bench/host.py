@@ -67,7 +67,7 @@ STEPS = [("engine.core.RelayEngine", "_prepare", "checks", "request checks"),
          ("identity.WeightsIdentity", "value", "identity", "model identity"),
          ("engine.rank.RankPlanner", "job", "lookup", "lookup and pin"),
          ("engine.graphs", "host_layout", "layout", "request layout"),
-         ("engine.graphs", "write_rows", "rows", "request rows"),
+         ("engine.graphs", "write_host_rows", "rows", "request rows"),
          ("engine.graphs.GraphRunner", "_fill", "fill", "buffers' fill and copy (all of it)"),
          ("engine.graphs.GraphRunner", "run", "runner", "graph runner (all of it)"),
          ("engine.core.RelayEngine", "rank_with_prefix_batch", "ranking", "ranking (all of it)")]

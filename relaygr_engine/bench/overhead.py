@@ -1,9 +1,12 @@
 """``relaygr bench overhead``: the fixed cost of a ranking, in aten ops (deterministic) and in time.
 
 Op counts are taken with a ``TorchDispatchMode`` that counts every aten op the call dispatches (views included:
-on a GPU every non-view op is a kernel launch, and every op is host work). One ranking is counted on two models
-that differ only in depth (``2`` and ``8`` layers), so ``ops_per_layer = (ops_8 - ops_2) / 6`` and
-``ops_per_request = ops_2 - 2 * ops_per_layer``; the same for the no-cache path (``GRRanker.rank_uncached``).
+every op is host work). Of them, ``launches_per_layer`` counts those that launch a kernel on a GPU (every op but
+views, allocations and metadata-only ops, :data:`NO_KERNEL`), plus Triton kernel launches (none on the CPU's torch
+backend). One ranking is counted on two models that differ only in depth (``2`` and ``8`` layers), so
+``ops_per_layer = (ops_8 - ops_2) / 6`` and ``ops_per_request = ops_2 - 2 * ops_per_layer``; the same for launches
+and for the no-cache path (``GRRanker.rank_uncached``). The counted ranking repeats the warm-up's layout, as a user
+ranked again over the same prefix does (the torch backend's plan for it is kept: ``ForwardRunner._torch_plan``).
 
 Times are the median of ``--repeats`` calls after a warm-up, one torch thread by default, for history lengths
 ``L`` in {16, 256}, candidates ``C`` in {1, 64}: single requests and batches of 8 and 32 (per request), a cache
@@ -40,25 +43,76 @@ from ..models import Behaviors, GRModelConfig, build_ranker
 from .common import emit_result, environment, median_time, percentile, synthetic_history
 from .sim import service_clock
 
-__all__ = ["OpCounter", "count_ops", "hit_path_ops", "main", "split_hit_time"]
+__all__ = ["NO_KERNEL", "OpCounter", "count_launches", "count_ops", "hit_path_ops", "main", "split_hit_time"]
 
 NEW_TOKENS = 4
 
 
+# aten ops that launch no kernel on a GPU besides views: allocations and metadata-only ops (and the scalar read,
+# a device-to-host copy, not a launch)
+NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+                       "_reshape_alias", "alias", "lift_fresh", "set_", "resize_", "_local_scalar_dense"})
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it (``counts``: op name -> calls)."""
+    """Counts the aten ops dispatched inside it (``counts``: op name -> calls) and, of them, those that launch a
+    kernel on a GPU (``launches``: every op but views, :data:`NO_KERNEL`), plus Triton kernel launches (``triton``:
+    kernel name -> launches, counted where Triton is installed)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.launches: Counter = Counter()
+        self.triton: Counter = Counter()
+        self._undo: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        self.counts[name] += 1
+        if not func.is_view and name not in NO_KERNEL:
+            self.launches[name] += 1
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._undo = _count_triton(self.triton)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for owner, real in self._undo:
+            owner.run = real
+        return super().__exit__(*exc)
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def kernel_launches(self) -> int:
+        """aten ops that launch a kernel, plus Triton launches."""
+        return sum(self.launches.values()) + sum(self.triton.values())
+
+
+def _count_triton(counts: Counter) -> list:
+    """Wrap Triton's kernel ``run`` (compiled and interpreted) to count launches by kernel name; the undo list."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from triton.runtime import interpreter, jit
+
+    undo = []
+    for owner in (jit.JITFunction, getattr(interpreter, "InterpretedFunction", None)):
+        if owner is None or "run" not in owner.__dict__:
+            continue
+        real = owner.__dict__["run"]
+
+        def run(self, *args, _real=real, **kwargs):
+            counts[getattr(self, "__name__", None) or getattr(getattr(self, "fn", None), "__name__", "kernel")] += 1
+            return _real(self, *args, **kwargs)
+
+        owner.run = run
+        undo.append((owner, real))
+    return undo
 
 
 def count_ops(fn: Callable[[], object]) -> Counter:
@@ -66,6 +120,13 @@ def count_ops(fn: Callable[[], object]) -> Counter:
     with OpCounter() as c:
         fn()
     return c.counts
+
+
+def count_launches(fn: Callable[[], object]) -> int:
+    """Kernel launches one call of ``fn`` would make on a GPU: aten ops that launch one, plus Triton launches."""
+    with OpCounter() as c:
+        fn()
+    return c.kernel_launches
 
 
 def _model(layers: int, device: str, max_len: int = 512):
@@ -94,18 +155,25 @@ def hit_path_ops(layers: int, L: int = 16, C: int = 1, device: str = "cpu") -> d
     model.rank_uncached(hist, cands)
     # a new Behaviors per counted call, as a new request brings: its host views are made (and counted) again
     fresh = (lambda: Behaviors(hist.item_ids, hist.action_ids, hist.timestamps, hist.context_ids))
-    return {"hit": count_ops(lambda: engine.rank_with_prefix(1, fresh(), cands)),
-            "uncached": count_ops(lambda: model.rank_uncached(fresh(), cands))}
+    out = {}
+    for path, fn in (("hit", lambda: engine.rank_with_prefix(1, fresh(), cands)),
+                     ("uncached", lambda: model.rank_uncached(fresh(), cands))):
+        with OpCounter() as c:
+            fn()
+        out[path], out[f"{path}_launches"] = c.counts, c.launches + c.triton
+    return out
 
 
 def _per_layer(device: str) -> dict[str, float]:
     two, eight = hit_path_ops(2, device=device), hit_path_ops(8, device=device)
     out = {}
-    for path in ("hit", "uncached"):
+    for path in ("hit", "uncached", "hit_launches", "uncached_launches"):
         a, b = sum(two[path].values()), sum(eight[path].values())
         per_layer = (b - a) / 6
-        out[f"{path}_ops_per_layer"] = per_layer
-        out[f"{path}_ops_per_request"] = a - 2 * per_layer
+        what = "launches" if path.endswith("_launches") else "ops"
+        path = path.removesuffix("_launches")
+        out[f"{path}_{what}_per_layer"] = per_layer
+        out[f"{path}_{what}_per_request"] = a - 2 * per_layer
     return out
 
 
@@ -213,6 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"thread(s), torch backend, {clock}; hit = all but the last {NEW_TOKENS} history tokens cached")
     print(f"aten ops: hit path {ops['hit_ops_per_layer']:.1f}/layer + {ops['hit_ops_per_request']:.1f}/request; "
           f"no cache {ops['uncached_ops_per_layer']:.1f}/layer + {ops['uncached_ops_per_request']:.1f}/request")
+    print(f"kernel launches (ops that launch one on a GPU, plus Triton's): hit path "
+          f"{ops['hit_launches_per_layer']:.1f}/layer + {ops['hit_launches_per_request']:.1f}/request; no cache "
+          f"{ops['uncached_launches_per_layer']:.1f}/layer + {ops['uncached_launches_per_request']:.1f}/request")
     print(f"{'L':>5} {'C':>4} {'batch':>6} {'hit us/req':>11} {'no-cache us/req':>16}"
           + (f" {'hit compiled':>13}" if args.compile else ""))
     model = _model(2, str(device))
@@ -242,6 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     by = {(r["L"], r["C"], r["batch"]): r for r in rows}
     result.update(ops_per_layer=round(ops["hit_ops_per_layer"], 1),
                   ops_per_request=round(ops["hit_ops_per_request"], 1),
+                  launches_per_layer=round(ops["hit_launches_per_layer"], 1),
+                  launches_per_request=round(ops["hit_launches_per_request"], 1),
                   uncached_ops_per_layer=round(ops["uncached_ops_per_layer"], 1),
                   us_per_call=round(by[(16, 1, 1)]["hit_us_per_request"], 1))
     if (16, 1, 32) in by:

@@ -1,6 +1,7 @@
 """Batch and forward-context building: the jobs of one engine call through the user's model in one relay forward."""
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 import numpy as np
@@ -17,10 +18,14 @@ from .compiled import ModelCaller
 from .graphs import GraphRunner
 from .layout import check_scores, log_plan, page_layout, split_scores
 from .records import Job
+from .staging import page_bytes
 from .timing import LazyTimer
 from .tiers import CacheState
 
-__all__ = ["ForwardRunner"]
+__all__ = ["ForwardRunner", "TORCH_PLANS_KEPT"]
+
+# Torch-backend plans a runner keeps, by layout (the most recent; ForwardRunner._torch_plan).
+TORCH_PLANS_KEPT = 64
 
 
 class ForwardRunner:
@@ -51,6 +56,7 @@ class ForwardRunner:
         self.compile_attention = compile_attention
         self.timer = LazyTimer(state.cache.device)
         self.graphs = None if graphs is None else GraphRunner(self.model, layers, state, graphs)
+        self._torch_plans: collections.OrderedDict = collections.OrderedDict()  # a batch's layout -> its torch plan
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
@@ -86,6 +92,36 @@ class ForwardRunner:
         return plan_paged_attention(self.state.cache.kv[0], *tables, *rows, backend=backend,
                                     kv_dtype=self.state.cache.kv_dtype)
 
+    def _torch_plan(self, jobs: list[Job], batch: RelayBatch):
+        """The torch backend's plan of the batch (:func:`~relaygr_engine.attention.torch_plan.build_torch_plan`).
+
+        On the CPU a ranking's plan is kept per layout: each user's entry, cached tokens and pages, rows and
+        candidates, the rows' timestamps (its index tables, and the bias indices its first layer adds, read only
+        these; the cached tokens' timestamps are the entry's, which its key fixes). A batch of a kept layout (a user
+        ranked again over the same prefix, as a relay does between pre-infers) reuses it: the last
+        :data:`TORCH_PLANS_KEPT`."""
+        st = self.state
+        cache, ps, dev = st.cache, st.page_size, st.cache.device
+        timed = batch.timestamps is not None
+        key = None
+        if dev.type == "cpu" and all(j.candidates is not None for j in jobs):  # (rankings: a pre-infer's rows are new)
+            key = (tuple((j.key, j.start, page_bytes(j.pages, -(-j.start // ps))) for j in jobs), batch.rows,
+                   batch.candidates_per_user, batch.timestamps.numpy().tobytes() if timed else None)
+            plan = self._torch_plans.get(key)
+            if plan is not None:
+                self._torch_plans.move_to_end(key)
+                return plan
+        plan = build_torch_plan(
+            batch.rows, batch.candidates_per_user, [j.start for j in jobs],
+            [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
+            ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None,
+            slots_per_page=cache.slots_per_page if cache.kv_dtype.quantized else None, head_dim=cache.head_dim)
+        if key is not None:
+            self._torch_plans[key] = plan
+            if len(self._torch_plans) > TORCH_PLANS_KEPT:
+                self._torch_plans.popitem(last=False)
+        return plan
+
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
@@ -104,11 +140,7 @@ class ForwardRunner:
                            kv_flat=cache.kv_flat, compiled=self.compile_attention,
                            plan=self._plan(backend, host, batch), kv_dtype=cache.kv_dtype, compute_dtype=cache.dtype)
         if backend is AttentionBackend.TORCH:
-            paged.torch_plan = build_torch_plan(
-                batch.rows, batch.candidates_per_user, [j.start for j in jobs],
-                [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
-                ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None,
-                slots_per_page=cache.slots_per_page if cache.kv_dtype.quantized else None, head_dim=cache.head_dim)
+            paged.torch_plan = self._torch_plan(jobs, batch)
         writes = lay.write_rows.size > 0
         if writes:
             paged.set_writes(*ship([torch.from_numpy(a) for a in (lay.write_rows, lay.write_pages, lay.write_slots)],

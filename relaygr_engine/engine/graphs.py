@@ -55,14 +55,15 @@ from torch import nn
 
 from .._host import Arena
 from .._warn import warn_once
-from ..batch import RelayBatch, gather_rows
+from ..batch import RelayBatch
+from ..rows import gather_rows, write_host_rows
 from ..config import AttentionBackend, GraphConfig
 from ..attention.context import PagedState, paged_context
 from ..kernels._common import cdiv
 from ..kernels._prefix_plan import live_tiles, round_tiles
 from .layout import check_scores, log_plan, split_scores
 from .records import Job
-from .staging import HostRows, Tables, host_layout, page_bytes, page_tables, row_tables, write_rows
+from .staging import HostRows, Tables, host_layout, page_bytes, page_tables, row_tables
 from .tiers import CacheState
 
 __all__ = ["GraphKey", "GraphRunner", "HostLayoutRead", "bucket", "reset_rng_after_failed_capture"]
@@ -237,7 +238,7 @@ class GraphRunner:
 
     def key(self, jobs: list[Job], rows) -> GraphKey:
         """The bucket of a batch of ranking jobs (``rows``: their :class:`~relaygr_engine.engine.staging.HostRows`
-        or :class:`~relaygr_engine.batch.RequestRows`): its padded shape, and the tiles its rows make (the padding
+        or :class:`~relaygr_engine.rows.RequestRows`): its padded shape, and the tiles its rows make (the padding
         user's included), so that the kernel's tables, split count and bias table follow the batch's live tiles."""
         writes = any(j.write_pages is not None and j.prep.num_tokens > j.start for j in jobs)
         layout = (rows.starts, rows.rows, rows.candidates, writes, _flags(rows))
@@ -315,7 +316,7 @@ class GraphRunner:
     def _fill(self, b: _Bucket, jobs: list[Job], rows, parts: Sequence[tuple]) -> None:
         """Write the padded rows of ``parts`` and the host tables into ``b``'s buffers: numpy writes into one staging
         buffer, one host-to-device copy (then a copy per row field where the rows were built on the device, ``rows``
-        a :class:`~relaygr_engine.batch.RequestRows`). The tables are computed once per layout and bucket: a later
+        a :class:`~relaygr_engine.rows.RequestRows`). The tables are computed once per layout and bucket: a later
         batch of the same layout copies their bytes (:class:`~relaygr_engine.engine.staging.Tables`)."""
         R, key = rows.num_rows, b.key
         staging, arrays = b.arena.stage()
@@ -330,7 +331,7 @@ class GraphRunner:
         names = ("item_ids", "action_ids", "timestamps")
         if isinstance(rows, HostRows):
             fields = [None if i is None else arrays[i] for i in b.row_fields]
-            write_rows(parts, *fields)
+            write_host_rows(parts, *fields)
             if R < key.history_rows + key.candidates:
                 for a in fields:
                     if a is not None:

@@ -5,8 +5,9 @@ A graph fixes addresses, not data, so every replay refills its bucket's static b
 rows' ids, actions and times are the request's own; the row, tile and page tables follow from its layout (each
 user's cached tokens, rows, candidates, pages), which repeats: a user ranked again against the same cached prefix, a
 relay's fixed shapes. :class:`Tables` keeps a bucket's tables by layout as byte images of spans of its arena, so a
-batch of a known layout costs one copy per span; :func:`host_layout` and :func:`write_rows` take the engine's parts
-(checked by the engine already) without building intermediate pieces.
+batch of a known layout costs one copy per span; :func:`host_layout` and
+:func:`~relaygr_engine.rows.write_host_rows` take the engine's parts (checked by the engine already) without
+building intermediate pieces.
 """
 from __future__ import annotations
 
@@ -15,19 +16,18 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..batch import structure_arrays
+from ..rows import structure_arrays
 from ..kernels._common import tile_arrays
 from .layout import page_layout
 
-__all__ = ["HostRows", "TABLES_PER_BUCKET", "Tables", "host_layout", "page_bytes", "page_tables", "row_tables",
-           "write_rows"]
+__all__ = ["HostRows", "TABLES_PER_BUCKET", "Tables", "host_layout", "page_bytes", "page_tables", "row_tables"]
 
 # Table images a bucket keeps per span (row tables, page tables): the layouts of its last few batches.
 TABLES_PER_BUCKET = 8
 
 
 class HostRows(NamedTuple):
-    """The segment sizes of host parts (what :class:`~relaygr_engine.batch.RequestRows` says of them, without
+    """The segment sizes of host parts (what :class:`~relaygr_engine.rows.RequestRows` says of them, without
     the rows' pieces): per user its cached history tokens, rows, candidate rows, contextual rows, history length."""
 
     starts: tuple
@@ -65,38 +65,6 @@ def host_layout(parts: Sequence[tuple]) -> Optional[HostRows]:
     h0 = parts[0][0]
     return HostRows(tuple(starts), tuple(rows), tuple(cands), tuple(ctx), tuple(tokens), h0.timestamps is not None,
                     h0.action_ids is not None)
-
-
-def write_rows(parts: Sequence[tuple], items: np.ndarray, actions: Optional[np.ndarray],
-               times: Optional[np.ndarray]) -> int:
-    """Write the rows of host ``parts`` (as :class:`~relaygr_engine.batch.RelayBatch` lays them out: a part's
-    history tokens from ``start``, contextual then behaviors, then its candidates; zero actions and the first
-    behavior's time on contextual rows, the request time on candidates) into the first rows of ``items`` (and of
-    ``actions``/``times`` where given); returns the rows written. A part's ``request_time`` is the resolved one
-    (``Prepared.request_time``)."""
-    r = 0
-    for h, start, c, t_c in parts:
-        ids, acts, ts, ctx = h.arrays()
-        U = 0 if ctx is None else len(ctx)
-        b0, n_ctx = max(0, start - U), max(0, U - start)
-        e1 = r + n_ctx
-        e2 = e1 + len(ids) - b0
-        e3 = e2 + (0 if c is None else c.numel())
-        if n_ctx:
-            items[r:e1] = ctx[start:]
-        items[e1:e2] = ids[b0:]
-        if e3 > e2:
-            items[e2:e3] = c.numpy()
-        if actions is not None:
-            actions[r:e1] = 0
-            actions[e1:e2] = acts[b0:]
-            actions[e2:e3] = 0
-        if times is not None:
-            times[r:e1] = ts[0]
-            times[e1:e2] = ts[b0:]
-            times[e2:e3] = 0 if t_c is None else t_c
-        r = e3
-    return r
 
 
 def page_bytes(pages, n: int) -> bytes:
