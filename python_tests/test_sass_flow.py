@@ -1,6 +1,11 @@
-"""The SASS data-flow checks of ``relaygr bench ptxas`` (:mod:`relaygr_engine.bench.sass_flow`), on hand-written
-instruction lists."""
+"""The SASS data-flow checks of ``relaygr bench ptxas`` (:mod:`relaygr_engine.bench.sass_flow`): on hand-written
+instruction lists, then on the 8-bit prefix kernel's candidate-tile configs the launcher keeps (compiled for sm_90,
+no GPU)."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +74,34 @@ def test_registers_of_an_in_flight_wgmma_touched_before_its_wait(monkeypatch):
     60 EXIT ;
     """
     assert _defects(monkeypatch, loop) == [(0x10, "in_flight", "R24")]
+
+
+KV8_CONFIGS = r"""
+import warnings
+warnings.filterwarnings("ignore")
+from relaygr_engine.bench.ptxas import compile_attention
+from relaygr_engine.bench.sass_flow import flow_defects
+from relaygr_engine.kernels import _prefix_config as K
+
+for split in (False, True):
+    kept = K.prune_configs(K.CUDA_CONFIGS, {}, HEAD_DIM=128, BLOCK_M=128, HSTU=True, CAND_TILES=True, HAS_POS=False,
+                           HAS_TS=False, PAGE_SIZE=64, KV8=True, SPLIT=split, TMA_READS=K.TMA_OFF)
+    assert kept and all(c.num_stages <= K.KV8_CAND_MAX_STAGES for c in kept)
+    for c in kept:
+        k = compile_attention("hstu", 128, 128, c.kwargs["BLOCK_N"], num_warps=c.num_warps, num_stages=c.num_stages,
+                              bias=False, kv_dtype="int8", m_splits=c.kwargs["M_SPLITS"], split=split)
+        assert flow_defects(k.asm["cubin"]) == [], (c, split)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_8bit_candidate_configs_the_launcher_keeps_compile_without_flow_defects():
+    """The CUDA 8-bit test's variant (HSTU candidate tiles, head dim 128, int8 pages), every config the launcher
+    keeps, unsplit and split: no uniform register read undefined, no in-flight ``wgmma`` register touched (with the
+    GPU machines' Triton 3.6 and its ptxas 12.8 the 3-stage configs, pruned, read the own-key product's descriptor
+    undefined where a program skips the prefix loop: ``benchmarks/results/static-kv8-2026-11-28``)."""
+    pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", KV8_CONFIGS], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
