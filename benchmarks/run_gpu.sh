@@ -19,6 +19,9 @@
 # benchmarks/results/gpu-h100-2026-11-2{6,6b,7}/ and gpu-h200-2026-11-26{,b}/; the first steps compile the kernels'
 # variants for the later ones, which find them in Triton's cache), calls back to back (a warm machine is given
 # back 30 s after a call: have the second command ready):
+#   0. STEPS="kv8-probe tests-kv8" (90 + 240 s; the 8-bit read after the static finding of 2026-11-28,
+#      benchmarks/results/static-kv8-2026-11-28/: the probes say which hypothesis holds, the tests whether the pruned
+#      configs pass; then again with TRITON_PTXAS_PATH at the CUDA 13 ptxas, below, into another OUT_DIR)
 #   1. one seed at a time: STEPS=slo-seeds SLO_SEEDS=<n> SLO_ARGS=--quick DEADLINE_S=<what is left> (never run
 #      at this shape: its length is unknown; its first try, 2026-11-27, spent its 200 s in the latency calibration,
 #      which then ran the torch reference and now times the baseline's graphed ranking; a seed cut short resumes in
@@ -47,7 +50,8 @@
 # Steps: env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128
 # kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits
 # kernels-vsplits-rank tests-hopper-twin tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank
-# rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs
+# rank-hopper ptxas kernels-fp8 kernels-int8 kv8-probe tests-kv8 sanitize-kv8 sync host rank rank-compile profile
+# profile-graphs
 # profile-graphs-hopper ncu ncu-hopper
 # ncu-kernel rank-small tiers tiers-8k slo slo-graphs tests-cuda kernels-persistent (all but tiers-8k and tests-hopper-twin, a
 # part of tests-hopper, by default;
@@ -83,7 +87,7 @@ header="device: ${gpu} | date: $(date -u +%F) | commit: ${commit}"
 failed=()
 skipped=()
 
-STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128 kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
+STEPS=${STEPS:-env tests-gpu kernels-d64 kernels-d128 kernels-d256 kernels kernels-rule-d64 kernels-rule-d128 kernels-rule-d256 kernels-rule kernels-splits kernels-split-dtype kernels-vsplits kernels-vsplits-rank tests-hopper kernels-hopper kernels-hopper-softmax kernels-hopper-rank rank-hopper ptxas kernels-fp8 kernels-int8 kv8-probe tests-kv8 sanitize-kv8 sync host rank rank-compile profile profile-graphs profile-graphs-hopper ncu ncu-hopper ncu-kernel rank-small tiers slo slo-graphs tests-cuda kernels-persistent}
 # not in the default list (long): STEPS="slo-seeds" bash benchmarks/run_gpu.sh "$OUT"
 
 declare -A STEP_CMD STEP_LIMIT
@@ -196,6 +200,14 @@ step kernels-int8 900 env RELAYGR_KV8_KERNEL=1 $PY -m relaygr_engine.cli bench k
 step tests-kv8 240 bash -c "rc=0; for kd in int8 fp8_e4m3; do echo \"== \$kd\"; RELAYGR_KV8_KERNEL=1 \
     $PY -m pytest -q -rfEs -m gpu python_tests/test_kvquant.py -k \"cuda_8bit and \$kd\" -p no:cacheprovider \
     || rc=1; done; exit \$rc"
+# The 8-bit read's probes (relaygr bench kv8_probe; benchmarks/results/static-kv8-2026-11-28): the CUDA test's batch
+# launched ten ways, each in a process of its own (a fault loses only its process's CUDA context), all at once: the
+# launcher's configs on bf16, int8 and fp8 pages; fixed configs: 3 stages (which ptxas 12.8 miscompiles for 8-bit
+# candidate tiles: the launcher no longer offers them there) on bf16, int8 and fp8, split and whole; 2 and 1 stages;
+# two warps (warp-level mma, no wgmma). A table (max error, mismatched fraction, fault) and a RESULT line
+# (probe_<name>=ok|wrong|fault). With TRITON_PTXAS_PATH set for the call (see above), the same with that ptxas.
+step kv8-probe 90 env RELAYGR_COMPILE_WORKERS=2 $PY -m relaygr_engine.cli bench kv8_probe --jobs 10 --timeout 80 \
+    --json "${OUT_DIR}/kv8-probe.json"
 # The 8-bit CUDA tests with the kernel switched on, under compute-sanitizer's memcheck: the kernel, the access and
 # the address of the first faults (serial compiles: one process, no worker threads launching), each format in its
 # own process (a fault loses the process's CUDA context); the autotuner names each config before timing it
