@@ -196,9 +196,10 @@ step kernels-int8 900 env RELAYGR_KV8_KERNEL=1 $PY -m relaygr_engine.cli bench k
     --json "${OUT_DIR}/kernels-int8.json"
 # The 8-bit CUDA tests with the kernel switched on, plainly, each format in its own process (a fault loses the
 # process's CUDA context): whether int8 and fp8 pass, in seconds (under memcheck, below, int8's autotuning alone
-# outlasted the 43 s a call had left on 2026-11-26).
+# outlasted the 43 s a call had left on 2026-11-26). The kernel-read test is a strict expected failure on CUDA until
+# it passes there: XFAIL is the known state; XPASS (which fails the step) means the 8-bit read is right.
 step tests-kv8 240 bash -c "rc=0; for kd in int8 fp8_e4m3; do echo \"== \$kd\"; RELAYGR_KV8_KERNEL=1 \
-    $PY -m pytest -q -rfEs -m gpu python_tests/test_kvquant.py -k \"cuda_8bit and \$kd\" -p no:cacheprovider \
+    $PY -m pytest -q -rfEsxX -m gpu python_tests/test_kvquant.py -k \"cuda_8bit and \$kd\" -p no:cacheprovider \
     || rc=1; done; exit \$rc"
 # The 8-bit read's probes (relaygr bench kv8_probe; benchmarks/results/static-kv8-2026-11-28): the CUDA test's batch
 # launched ten ways, each in a process of its own (a fault loses only its process's CUDA context), all at once: the
