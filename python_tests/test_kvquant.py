@@ -442,3 +442,7 @@ def test_bench_kernels_times_8bit_pages_beside_the_model_dtype():
     fields = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
     assert fields["kv_dtype"] == "int8" and float(fields["geomean_kv8_speedup"]) > 0
     assert 0 < float(fields["max_kv8_err"]) < 0.05
+    # (no long shape in the interpreter's: the largest ratio over all of them, at least the inverse of the geomean
+    # speedup; the kernel read the pages)
+    assert float(fields["kv8_time_ratio"]) >= 0.99 / float(fields["geomean_kv8_speedup"])
+    assert fields["kv8_read"] == "kernel"

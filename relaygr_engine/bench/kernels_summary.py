@@ -90,8 +90,13 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
                    geomean_speedup_vs_recompute=_geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
     if kv_dtype != "model":
+        # kv8_time_ratio: the 8-bit pages' time over the model dtype's, the largest over the long shapes (below; all
+        # shapes where none is long); kv8_read: the path that read the 8-bit pages.
+        long8 = [r for r in rows if _long(r)] or rows
         summary.update(kv_dtype=kv_dtype, geomean_kv8_speedup=_geo([r["kv8_speedup"] for r in rows]),
-                       max_kv8_err=max(r["kv8_err"] for r in rows))
+                       max_kv8_err=max(r["kv8_err"] for r in rows),
+                       kv8_time_ratio=max(1 / r["kv8_speedup"] for r in long8),
+                       kv8_read=",".join(sorted({r.get("kv8_read", "kernel") for r in rows})))
     if any("tma_gain" in r for r in rows):
         summary["geomean_tma_gain"] = _geo([r["tma_gain"] for r in rows if "tma_gain" in r])
     if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
@@ -117,8 +122,7 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
         # measured in its run for its own FLOPs).
         # (The rows on the sm_90 kernel, where a run compares it, in their own fields: ..._<mode>_hopper.)
         # (Rows of the former split rule, where a run compares it, in their own field: ..._<mode>_fill.)
-        long_of = lambda rs: [r for r in rs if r["prefix"] >= 4096 and r["new"] + r["cands"] >= 256  # noqa: E731
-                              and r["users"] >= 4]
+        long_of = lambda rs: [r for r in rs if _long(r)]  # noqa: E731
         long, fills = long_of(rows), [r for r in long_of(every) if r.get("split_rule") == "fill"]
         for m in modes:
             got = [r["matmul_fraction"] for r in fills if r["mode"] == m and not r.get("hopper_kernel")]
@@ -134,6 +138,11 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
                 if got:
                     summary[f"matmul_fraction_long_{m}_hopper_{tag}"] = _geo(got)
     return summary
+
+
+def _long(row: dict) -> bool:
+    """A long shape: prefix >= 4096, >= 256 query rows per user, batch >= 4."""
+    return row["prefix"] >= 4096 and row["new"] + row["cands"] >= 256 and row["users"] >= 4
 
 
 def _geomean_by(rows: list[dict], field: str, name, keep_none: bool = False) -> dict:
