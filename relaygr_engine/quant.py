@@ -35,16 +35,11 @@ KERNEL_ENV = "RELAYGR_KV8_KERNEL"
 
 
 def kernel_runs(device: torch.device) -> bool:
-    """Whether the Triton prefix-attention kernel reads 8-bit pages on ``device``: off CUDA (the interpreter runs
-    int8 exactly), and on CUDA only with ``RELAYGR_KV8_KERNEL=1``. On an H100 (2026-11-26, Triton 3.6) the kernel
-    on fp8 pages stopped with an illegal memory access while the autotuner timed it, a fault the bounds-checked
-    interpreter does not reproduce on int8 pages (compute-sanitizer: an out-of-range shared-memory address at the
-    P.V ``wgmma`` of an HSTU candidate tile, ``benchmarks/results/gpu-h100-2026-11-26b``), and on an H200 int8
-    pages did too (``gpu-h200-2026-11-26b``); assembled by a CUDA 13 ptxas instead of Triton 3.6's 12.8 it no longer
-    faults but is wrong (``gpu-h100-2026-11-27``: 2.6% of the values off by up to 0.36). Until a GPU run passes,
-    8-bit pages on CUDA attend through the torch path (:func:`relaygr_engine.ops.paged_prefix_attention` says so
-    once); the Triton KV write, which passed there,
-    still quantises them."""
+    """Whether the Triton prefix-attention kernel reads 8-bit pages on ``device``: everywhere but CUDA (the
+    interpreter runs int8 exactly), and on CUDA only with ``RELAYGR_KV8_KERNEL=1`` until the CUDA 8-bit tests pass
+    on a GPU (``docs/kvquant.md``, "8-bit read on CUDA"). Where it does not, 8-bit pages attend through the torch
+    path (:func:`relaygr_engine.ops.paged_prefix_attention` says so once); the Triton KV write quantises them
+    either way."""
     if device.type != "cuda":
         return True
     return env_flag(KERNEL_ENV)
