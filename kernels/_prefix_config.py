@@ -96,11 +96,6 @@ CUDA_CONFIGS += [triton.Config({"BLOCK_N": 32, "TMA": tma, "V_SPLITS": 1, "M_SPL
 NARROW_CONFIG = triton.Config({"BLOCK_N": 16, "TMA": False, "V_SPLITS": 1, "M_SPLITS": 1}, num_warps=CUDA_NUM_WARPS,
                               num_stages=2, pre_hook=_fit_descriptor)
 CUDA_CONFIGS.append(NARROW_CONFIG)
-# Candidate tiles on 8-bit pages: at most 2 stages. Built at 3, their own-key product reads its shared-memory
-# descriptor from a uniform register that only the prefix loop's preheader writes (Triton 3.6's PTX assembled by
-# ptxas 12.8): a program that skips the prefix loop (no full key block in its share) reads an arbitrary address there
-# (``relaygr bench ptxas``'s ``flow`` column; ``benchmarks/results/static-kv8-2026-11-28``).
-KV8_CAND_MAX_STAGES = 2
 CUDA_MAX_BLOCK_N = max(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS)  # the widest key block autotuning may pick
 TMA_MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in CUDA_CONFIGS if c.kwargs["TMA"])
 # Keys per split are a multiple of this (every autotuned BLOCK_N divides it; a caller's wider block raises it), so
@@ -166,9 +161,10 @@ def prune_configs(configs, named_args, **kwargs):
     value splits as :func:`_clean_one_program` says, with two as :func:`_clean_value_split` says, offered above
     head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); with registers capped
     (:data:`CAPPED_REGS`) for candidate tiles up to head dim 64 on pages in the model's dtype; 8-bit pages with the
-    in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes; candidate tiles on
-    8-bit pages at most :data:`KV8_CAND_MAX_STAGES` stages. Configs reading pages through a tensor descriptor are
-    offered as ``TMA_READS`` allows (they compile as the pointer configs do) when a key block lies in one page."""
+    in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes. Configs reading
+    pages through a tensor descriptor are offered as ``TMA_READS`` allows (they compile as the pointer configs do)
+    when a key block lies in one page. (On 8-bit pages the autotuner then drops the kept configs whose compiled code
+    fails the SASS flow check: :func:`_kv8`.)"""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
     rows = meta.get("BLOCK_M", 64)
@@ -193,7 +189,6 @@ def prune_configs(configs, named_args, **kwargs):
             and (reads != TMA_OFF if c.kwargs["TMA"] else reads != TMA_ONLY)
             and not (c.kwargs["TMA"] and page_size % c.kwargs["BLOCK_N"])
             and (c.maxnreg is None or capped_ok)
-            and not (kv8 and cand and c.num_stages > KV8_CAND_MAX_STAGES)
             and (c is NARROW_CONFIG or (_clean_value_split(c, rows, row_bias, split) if c.kwargs["V_SPLITS"] > 1
                                         else _clean_one_program(c, head_dim, rows, cand, row_bias, cand_bias, split, kv8)))]
     return kept or [c for c in configs if offered(c)][:1] or configs[:1]
@@ -329,12 +324,18 @@ def autotuned_choices() -> list[str]:
     return [str(c) for c in _autotuned.cache.values()] if _autotuned is not None else []
 
 
+def _kv8(named_args: dict, kwargs: dict) -> bool:
+    """Whether an autotuned call reads 8-bit pages: its configs' SASS is checked before they are timed
+    (:func:`~relaygr_engine.kernels._compile.flow_clean`)."""
+    return bool({**named_args, **kwargs}.get("KV8", False))
+
+
 def autotuned_kernel():
     """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
     global _autotuned
     if _autotuned is None:
         # (pruned, then the kept configs compiled in parallel before the autotuner times them: kernels._compile)
-        prune = precompiling(prune_configs, prefix_attention_kernel)
+        prune = precompiling(prune_configs, prefix_attention_kernel, checked=_kv8)
         _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS, do_bench=_bench_config,
                                      prune_configs_by={"early_config_prune": prune})(prefix_attention_kernel)
         if torch.cuda.is_available():  # choices kept on disk with RELAYGR_AUTOTUNE_FILE (kernels._autotune_store)
