@@ -204,7 +204,7 @@ step tests-kv8 240 bash -c "rc=0; for kd in int8 fp8_e4m3; do echo \"== \$kd\"; 
 # The 8-bit read's probes (relaygr bench kv8_probe; benchmarks/results/static-kv8-2026-11-28): the CUDA test's batch
 # launched ten ways, each in a process of its own (a fault loses only its process's CUDA context), all at once: the
 # launcher's configs on bf16, int8 and fp8 pages; fixed configs: 3 stages (which ptxas 12.8 miscompiles for 8-bit
-# candidate tiles: the launcher no longer offers them there) on bf16, int8 and fp8, split and whole; 2 and 1 stages;
+# candidate tiles: the autotuner drops them there) on bf16, int8 and fp8, split and whole; 2 and 1 stages;
 # two warps (warp-level mma, no wgmma). A table (max error, mismatched fraction, fault) and a RESULT line
 # (probe_<name>=ok|wrong|fault). With TRITON_PTXAS_PATH set for the call (see above), the same with that ptxas.
 step kv8-probe 90 env RELAYGR_COMPILE_WORKERS=2 $PY -m relaygr_engine.cli bench kv8_probe --jobs 10 --timeout 80 \

@@ -291,7 +291,7 @@ CUDA = torch.cuda.is_available()
 # there by default, relaygr_engine.quant.kernel_runs, and this mark goes): strict, so that a pass is noticed.
 KV8_PENDING = pytest.mark.xfail(
     CUDA, strict=True, reason="the kernel's 8-bit read on CUDA faulted (ptxas 12.8) or was wrong (ptxas 13.4) on the "
-    "GPU runs so far; the 3-stage candidate configs that ptxas 12.8 miscompiles are pruned since "
+    "GPU runs so far; the autotuner drops the configs ptxas 12.8 miscompiles since "
     "(benchmarks/results/static-kv8-2026-11-28): a pass here means the fix holds")
 
 
