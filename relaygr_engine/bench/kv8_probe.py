@@ -1,19 +1,20 @@
 """``relaygr bench kv8_probe``: the prefix kernel's 8-bit page read on CUDA against the torch reference, probe by
 probe, each in a process of its own (a kernel fault loses its process's CUDA context, not the others').
 
-A probe is one way of launching the kernel on the CUDA 8-bit test's batch (head dim 128, 4 heads, pages of 64
-tokens; one user with 3000 cached tokens, 64 new history rows and 256 candidates, one with 1000 cached tokens and
-32 candidates), in softmax and HSTU mode: its pages' format (bf16, int8, fp8), and either the launcher's configs
-(autotuned) or one fixed config (key block, warps, stages) with the launcher's split count or a fixed one. Each
-mode's output is compared with :func:`~relaygr_engine.ops.paged_prefix_attention_torch` over the same pages:
-``max_abs_err``, ``mismatched`` (the fraction of elements outside ``atol = rtol = 0.03``, the test's tolerance),
-``fault`` (the launch raised, or the process died or ran out of time).
+A probe is one way of launching the kernel on one batch (head dim 128, 4 heads, pages of 64 tokens): the CUDA
+8-bit test's two users (3000 cached tokens, 64 new history rows and 256 candidates; 1000 cached tokens and 32
+candidates) and a third with 40 cached tokens (less than a key block: its programs skip the prefix loop), 8 new
+history rows and 16 candidates; in softmax and HSTU mode. A probe fixes the pages' format (bf16, int8, fp8) and
+either the launcher's configs (autotuned) or one config (key block, warps, stages), with the launcher's split count
+or a given one. Each mode's output is compared with :func:`~relaygr_engine.ops.paged_prefix_attention_torch` over
+the same pages: ``max_abs_err``, ``mismatched`` (the fraction of elements outside ``atol = rtol = 0.03``, the
+test's tolerance), ``fault`` (the launch raised, or the process died or ran out of time).
 
 The probes split the hypotheses of why 8-bit pages went wrong on CUDA (``benchmarks/results/static-kv8-2026-11-28``):
-``bf16*`` are controls; ``*-s3`` the 3-stage config whose 8-bit build ptxas 12.8 miscompiles (a candidate tile's
-own-key product reads its shared-memory descriptor from a register only the prefix loop's preheader writes), split
-(programs that skip the prefix loop exist) and whole (none do); ``int8-s2``/``-s1`` fewer stages; ``int8-mma2`` two
-warps (Triton's warp-level ``mma``, no ``wgmma``).
+``bf16*`` are controls; ``*-s3`` the 3-stage config (64-key blocks, 8 warps) whose 8-bit build ptxas 12.8
+miscompiles (a candidate tile's own-key product reads its shared-memory descriptor from a register only the prefix
+loop's preheader writes), split, and unsplit without the third user (``-whole``: no program skips the prefix loop); ``int8-s2``/``-s1`` fewer stages; ``int8-mma2`` two warps
+(Triton's warp-level ``mma``, no ``wgmma``).
 
     relaygr bench kv8_probe                       # every probe, a table and a RESULT line
     relaygr bench kv8_probe --probes int8,int8-s3 --ptxas /path/to/ptxas   # another sm_90 assembler
@@ -41,7 +42,7 @@ TOLERANCE = 3e-2  # atol and rtol, as the CUDA 8-bit test's
 class Probe:
     """One launch: pages ``kv_dtype``; ``block_n=None`` the launcher's configs (autotuned), else this key block,
     ``num_warps``, ``num_stages`` and candidate tiles of ``block_m`` rows (history tiles of 64); ``splits`` the
-    split count (None: the launcher's)."""
+    split count (None: the launcher's); ``short_user``: the batch's third user (40 cached tokens) in it."""
 
     kv_dtype: str
     block_n: Optional[int] = None
@@ -49,6 +50,7 @@ class Probe:
     num_stages: int = 2
     block_m: int = 128
     splits: Optional[int] = None
+    short_user: bool = True
 
 
 PROBES = {
@@ -58,15 +60,16 @@ PROBES = {
     "bf16-s3": Probe("model", 64, 8, 3),
     "int8-s3": Probe("int8", 64, 8, 3),
     "fp8-s3": Probe("fp8_e4m3", 64, 8, 3),
-    "int8-s3-whole": Probe("int8", 64, 8, 3, splits=1),
+    "int8-s3-whole": Probe("int8", 64, 8, 3, splits=1, short_user=False),
     "int8-s2": Probe("int8", 64, 8, 2),
     "int8-s1": Probe("int8", 64, 8, 1),
     "int8-mma2": Probe("int8", 32, 2, 2, block_m=64),
 }
 
 
-def _batch(kv_dtype: str):
-    """The CUDA 8-bit test's batch on the GPU: ``(q, k, v, pages, tables)``, pages quantised by the torch path."""
+def _batch(kv_dtype: str, short_user: bool = True):
+    """The probes' batch on the GPU (the module's docstring): ``(q, k, v, pages, tables)``, pages quantised by the
+    torch path."""
     import torch
 
     from relaygr_engine import quant
@@ -76,11 +79,15 @@ def _batch(kv_dtype: str):
     g = torch.Generator(device=dev).manual_seed(0)
     dense = torch.randn(64, 2, ps, H, D, device=dev, dtype=torch.bfloat16, generator=g)
     pages = dense if kv_dtype == "model" else quant.quantize_pages(dense, KVDtype(kv_dtype))
-    q, k, v = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(376, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
-    tables = dict(kv_indptr=i32([0, 47, 63]), kv_indices=torch.randperm(64, device=dev, generator=g)[:63].int(),
-                  kv_last_page_len=i32([3000 - 46 * ps, 1000 - 15 * ps]), cu_seqlens_q=i32([0, 320, 352]),
-                  num_candidates=i32([256, 32]))
+    users = 3 if short_user else 2
+    tables = dict(kv_indptr=i32([0, 47, 63, 64][:users + 1]),
+                  kv_indices=torch.randperm(64, device=dev, generator=g)[:[0, 47, 63, 64][users]].int(),
+                  kv_last_page_len=i32([3000 - 46 * ps, 1000 - 15 * ps, 40][:users]),
+                  cu_seqlens_q=i32([0, 320, 352, 376][:users + 1]), num_candidates=i32([256, 32, 16][:users]))
+    rows = [0, 320, 352, 376][users]
+    q, k, v = q[:rows], k[:rows], v[:rows]
     return q, k, v, pages, tables
 
 
@@ -99,14 +106,15 @@ def run_probe(name: str) -> list[dict]:
     if probe.block_n is not None:  # this process's launches: the probe's one config, both kinds of tile
         cfg = KernelConfig(probe.block_m, probe.block_n, probe.num_warps, probe.num_stages, hist_block_m=64)
         pa.pick_config = lambda *args, **kwargs: cfg
-    q, k, v, pages, tables = _batch(probe.kv_dtype)
+    q, k, v, pages, tables = _batch(probe.kv_dtype, probe.short_user)
     rows = []
     for mode in ("softmax", "hstu"):
         row = dict(probe=name, mode=mode, **asdict(probe))
         try:
             out = pa.prefix_attention(q, k, v, pages, **tables, mode=mode, scale=128 ** -0.5, splits=probe.splits,
                                       kv_dtype=probe.kv_dtype)
-            torch.cuda.synchronize()
+            if out.is_cuda:
+                torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a fault is what a probe reports
             rows.append(dict(row, fault=1, error=f"{type(exc).__name__}: {exc}"[:300]))
             break
