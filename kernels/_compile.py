@@ -84,40 +84,44 @@ def compile_configs(fn, configs, named_args: dict, kwargs: dict, workers: Option
     return len(configs)
 
 
-def flow_clean(fn, configs, named_args: dict, kwargs: dict) -> list:
+def flow_clean(fn, configs, named_args: dict, kwargs: dict, workers: Optional[int] = None) -> list:
     """The configs of ``configs`` whose compiled code (``fn`` at the call ``fn[grid](*named_args.values(),
     **kwargs)``, from the kernel's cache where :func:`compile_configs` put it) has no control-flow defect
-    (:func:`relaygr_engine.bench.sass_flow.flow_defects`); each one dropped is logged once. All of them where the
-    check cannot run (no cubin, no ``nvdisasm``: logged once) and where none is clean (logged): the autotuner then
-    times them as before. A config whose compile fails is kept (the autotuner reports it)."""
+    (:func:`relaygr_engine.bench.sass_flow.flow_defects`, on ``workers`` threads: default
+    :func:`compile_workers`); each one dropped is logged once. All of them where the check cannot run (no cubin, no
+    ``nvdisasm``: logged once) and where none is clean (logged): the autotuner then times them as before. A config
+    whose compile fails is kept (the autotuner reports it)."""
     from ..bench.sass_flow import flow_defects
 
     call = {k: v for k, v in kwargs.items() if k != "warmup"}
     args = list(named_args.values())
     what = getattr(fn, "__name__", "kernel")
-    clean = []
+    cubins = []
     for config in configs:
         current = config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({**named_args, **call, **current})
         try:
-            kernel = fn.warmup(*args, **call, **current)
+            cubins.append(fn.warmup(*args, **call, **current).asm["cubin"])
         except Exception:  # noqa: BLE001 - the autotuner compiles and reports it
-            clean.append(config)
-            continue
-        try:
-            defects = flow_defects(kernel.asm["cubin"])
-        except Exception as err:  # noqa: BLE001 - no cubin or no nvdisasm: nothing to check with
-            warn_once(log, ("flow", what), "the SASS flow check of %s's autotune configs did not run (%s: %s); "
-                      "every config is timed", what, type(err).__name__, err)
-            return list(configs)
+            cubins.append(None)
+    workers = compile_workers() if workers is None else workers
+    try:
+        with ThreadPoolExecutor(max(1, min(workers, len(configs)))) as pool:  # (nvdisasm runs as a process)
+            found = list(pool.map(lambda cubin: [] if cubin is None else flow_defects(cubin), cubins))
+    except Exception as err:  # noqa: BLE001 - no nvdisasm, say: nothing to check with
+        warn_once(log, ("flow", what), "the SASS flow check of %s's autotune configs did not run (%s: %s); every "
+                  "config is timed", what, type(err).__name__, err)
+        return list(configs)
+    clean = []
+    for config, defects in zip(configs, found):
         if defects:
             first = defects[0]
             warn_once(log, ("flow", what, str(config)), "autotune config %s of %s dropped: its SASS reads %s "
                       "(%s, at %#x: %s) and %d more such defects (relaygr_engine.bench.sass_flow)", config, what,
                       first.detail, first.kind, first.address, first.instruction, len(defects) - 1)
-            continue
-        clean.append(config)
+        else:
+            clean.append(config)
     if not clean:
         warn_once(log, ("flow-none", what), "every autotune config of %s has SASS flow defects; timing them all",
                   what)
