@@ -184,10 +184,11 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
               hopper_kernel: bool = False, hopper_overlap: Optional[bool] = None) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
-    dtype's pages, ``kv8_err`` against them, ``kv8_read`` the path that read them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
-    autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
-    the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
-    rule; ``"fill"``: the rule it replaced, :func:`~relaygr_engine.kernels._split.fill_splits`); the row's
+    dtype's pages, ``kv8_err`` against them, ``kv8_read`` the path that read them). On sm_90+ with
+    ``page_reads="auto"`` (pointer and TMA reads autotuned together) the pointer reads alone are timed too
+    (``pointers_ms``, ``tma_gain``); ``autotuned`` lists the configs the autotuner kept. ``splits``: programs per
+    tile and head over its keys (None: the launcher's rule; ``"fill"``: the rule it replaced,
+    :func:`~relaygr_engine.kernels._split.fill_splits`); the row's
     ``splits`` is the number used, ``split_rule`` which rule chose it (``auto``, ``fill`` or ``given``),
     ``split_keys`` the keys each takes; a ``fill`` row times the kernel alone (and the matmul rate): its
     baselines are the same shape's ``auto`` row's. ``value_splits``: programs

@@ -13,8 +13,8 @@ test's tolerance), ``fault`` (the launch raised, or the process died or ran out 
 The probes split the hypotheses of why 8-bit pages went wrong on CUDA (``benchmarks/results/static-kv8-2026-11-28``):
 ``bf16*`` are controls; ``*-s3`` the 3-stage config (64-key blocks, 8 warps) whose 8-bit build ptxas 12.8
 miscompiles (a candidate tile's own-key product reads its shared-memory descriptor from a register only the prefix
-loop's preheader writes), split, and unsplit without the third user (``-whole``: no program skips the prefix loop); ``int8-s2``/``-s1`` fewer stages; ``int8-mma2`` two warps
-(Triton's warp-level ``mma``, no ``wgmma``).
+loop's preheader writes), split, and unsplit without the third user (``-whole``: no program skips the prefix
+loop); ``int8-s2``/``-s1`` fewer stages; ``int8-mma2`` two warps (Triton's warp-level ``mma``, no ``wgmma``).
 
     relaygr bench kv8_probe                       # every probe, a table and a RESULT line
     relaygr bench kv8_probe --probes int8,int8-s3 --ptxas /path/to/ptxas   # another sm_90 assembler
@@ -193,9 +193,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if opts.ptxas:
         os.environ["TRITON_PTXAS_PATH"] = opts.ptxas
+    count = lambda verdict: sum(v == verdict for v in verdicts.values())  # noqa: E731
     print("RESULT " + " ".join(f"probe_{n.replace('-', '_')}={v}" for n, v in verdicts.items())
-          + f" faults={sum(v == 'fault' for v in verdicts.values())} wrong={sum(v == 'wrong' for v in verdicts.values())}"
-          + f" ptxas={ptxas_version(90)}")
+          + f" faults={count('fault')} wrong={count('wrong')} ptxas={ptxas_version(90)}")
     return 0
 
 

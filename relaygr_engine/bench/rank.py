@@ -30,8 +30,9 @@ runs the whole model compiled (``torch.compile(fullgraph=True, dynamic=True)``: 
 Model: HSTU (or ``--attention softmax``) of the ``--model`` preset's size (default ``small``: 2 layers, hidden 64,
 2 heads x 32, float32), any of ``--layers/--hidden/--heads/--head-dim/--dtype`` replacing it (the KV pages use the
 model's dtype, or with ``--kv-dtype int8`` / ``fp8_e4m3`` the 8-bit format of :mod:`relaygr_engine.quant`: the
-RESULT's ``kv8_read`` names the path that read them, ``kernel`` or ``torch``, :func:`~relaygr_engine.quant.kernel_runs`). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8 layers, 4 heads x 256, bf16; a
-4096-token block with 3968 cached and 256 candidates) is::
+RESULT's ``kv8_read`` names the path that read them, ``kernel`` or ``torch``,
+:func:`~relaygr_engine.quant.kernel_runs`). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8 layers,
+4 heads x 256, bf16; a 4096-token block with 3968 cached and 256 candidates) is::
 
     relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256
 
