@@ -61,6 +61,14 @@ def test_bench_rank_smoke(capsys):
     assert cli.main(["bench", "rank", "--quick", "--threads", "1"]) == 0
     r = parse_result(last_line(capsys))
     assert any(k.startswith("speedup_L") for k in r)
+    assert r["kv_dtype"] == "model" and "kv8_read" not in r
+
+
+def test_bench_rank_on_8bit_pages_names_the_path_that_read_them(capsys):
+    """``--kv-dtype int8``: the engine's pages in int8; on the CPU the torch path reads them (``kv8_read``)."""
+    assert cli.main(["bench", "rank", "--quick", "--threads", "1", "--lengths", "256", "--kv-dtype", "int8"]) == 0
+    r = parse_result(last_line(capsys))
+    assert r["kv_dtype"] == "int8" and r["kv8_read"] == "torch" and float(r["max_abs_diff"]) < 0.05
 
 
 def test_console_script_runs_as_a_module():

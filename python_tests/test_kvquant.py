@@ -7,6 +7,7 @@ unchanged), the Triton kernel's int8 path in the interpreter against the torch r
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -287,9 +288,12 @@ def test_8bit_pages_attend_through_torch_where_the_kernel_is_off(monkeypatch, ca
 CUDA = torch.cuda.is_available()
 
 
-KERNEL_OFF = "the kernel's 8-bit read is off on CUDA (it faulted on an H100 and an H200: " \
-    "relaygr_engine.quant.kernel_runs); " \
-    f"{quant.KERNEL_ENV}=1 in the environment tests it (run_gpu.sh's sanitize-kv8 step, under compute-sanitizer)"
+# The kernel's 8-bit read on CUDA: expected to fail until a GPU run shows it right (then the kernel reads 8-bit pages
+# there by default, relaygr_engine.quant.kernel_runs, and this mark goes): strict, so that a pass is noticed.
+KV8_PENDING = pytest.mark.xfail(
+    CUDA, strict=True, reason="the kernel's 8-bit read on CUDA faulted (ptxas 12.8) or was wrong (ptxas 13.4) on the "
+    "GPU runs so far; the autotuner drops the configs ptxas 12.8 miscompiles since "
+    "(benchmarks/results/static-kv8-2026-11-28): a pass here means the fix holds")
 
 
 def _cuda_8bit_pages(kd, num_pages, ps, H, D, g):
@@ -324,32 +328,52 @@ def test_cuda_8bit_write_matches_the_torch_path(kd):
         assert (a - b).abs().max() <= step * (1 + 1e-4)
 
 
+CUDA_8BIT_KERNEL = r"""
+import json, sys
+import torch
+from relaygr_engine.config import KVDtype
+from relaygr_engine.kernels.prefix_attention import prefix_attention
+from relaygr_engine.attention.ops import paged_prefix_attention_torch
+from test_kvquant import _cuda_8bit_pages
+
+kd = KVDtype(sys.argv[1])
+dev, ps, H, D = torch.device("cuda"), 64, 4, 128
+g = torch.Generator(device=dev).manual_seed(0)
+_, _, got, _ = _cuda_8bit_pages(kd, 64, ps, H, D, g)
+users = [(3000, 64, 256), (1000, 0, 32)]
+cu = torch.tensor([0, 320, 352], dtype=torch.int32, device=dev)
+q, kn, vn = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+pages = [-(-p // ps) for p, _, _ in users]
+indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32, device=dev)
+tables = dict(kv_indptr=indptr, kv_indices=torch.randperm(64, device=dev)[:sum(pages)].int(),
+              kv_last_page_len=torch.tensor([3000 - 46 * ps, 1000 - 15 * ps], dtype=torch.int32, device=dev),
+              cu_seqlens_q=cu, num_candidates=torch.tensor([256, 32], dtype=torch.int32, device=dev))
+for mode in ("softmax", "hstu"):
+    out = prefix_attention(q, kn, vn, got, **tables, mode=mode, scale=D ** -0.5, kv_dtype=kd.value)
+    ref = paged_prefix_attention_torch(q.float(), kn.float(), vn.float(), got, **tables, mode=mode,
+                                       scale=D ** -0.5, kv_dtype=kd.value)
+    err = (out.float() - ref).abs()
+    print(json.dumps(dict(mode=mode, max_abs_err=float(err.max()),
+                          mismatched=float((err > 3e-2 + 3e-2 * ref.abs()).float().mean()))), flush=True)
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
-@pytest.mark.skipif(CUDA and not quant.kernel_runs(torch.device("cuda")), reason=KERNEL_OFF)
+@KV8_PENDING
 @pytest.mark.parametrize("kd", FORMATS)
 def test_cuda_8bit_kernel_matches_the_torch_path(kd):
-    """On CUDA, where the kernel's 8-bit read is switched on (``RELAYGR_KV8_KERNEL=1``), the kernel over pages the
-    Triton KV write stored matches the torch reference, both modes."""
-    from relaygr_engine.kernels.prefix_attention import prefix_attention
-    from relaygr_engine.attention.ops import paged_prefix_attention_torch
-
-    dev, ps, H, D = torch.device("cuda"), 64, 4, 128
-    g = torch.Generator(device=dev).manual_seed(0)
-    _, _, got, _ = _cuda_8bit_pages(kd, 64, ps, H, D, g)
-    users = [(3000, 64, 256), (1000, 0, 32)]
-    cu = torch.tensor([0, 320, 352], dtype=torch.int32, device=dev)
-    q, kn, vn = (torch.randn(352, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
-    pages = [-(-p // ps) for p, _, _ in users]
-    indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32, device=dev)
-    tables = dict(kv_indptr=indptr, kv_indices=torch.randperm(64, device=dev)[:sum(pages)].int(),
-                  kv_last_page_len=torch.tensor([3000 - 46 * ps, 1000 - 15 * ps], dtype=torch.int32, device=dev),
-                  cu_seqlens_q=cu, num_candidates=torch.tensor([256, 32], dtype=torch.int32, device=dev))
-    for mode in ("softmax", "hstu"):
-        out = prefix_attention(q, kn, vn, got, **tables, mode=mode, scale=D ** -0.5, kv_dtype=kd.value)
-        ref = paged_prefix_attention_torch(q.float(), kn.float(), vn.float(), got, **tables, mode=mode,
-                                           scale=D ** -0.5, kv_dtype=kd.value)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    """On CUDA, the kernel's 8-bit read (switched on: ``RELAYGR_KV8_KERNEL=1``) over pages the Triton KV write stored
+    matches the torch reference, both modes (in a process of its own: a kernel fault loses that process's CUDA
+    context, not this one's)."""
+    env = {**os.environ, quant.KERNEL_ENV: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", CUDA_8BIT_KERNEL, kd.value], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == ["softmax", "hstu"], proc.stdout[-2000:]
+    assert all(r["mismatched"] == 0 for r in rows), rows
 
 
 @pytest.mark.gpu
@@ -419,3 +443,7 @@ def test_bench_kernels_times_8bit_pages_beside_the_model_dtype():
     fields = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].split()[1:])
     assert fields["kv_dtype"] == "int8" and float(fields["geomean_kv8_speedup"]) > 0
     assert 0 < float(fields["max_kv8_err"]) < 0.05
+    # (no long shape in the interpreter's: the largest ratio over all of them, at least the inverse of the geomean
+    # speedup; the kernel read the pages)
+    assert float(fields["kv8_time_ratio"]) >= 0.99 / float(fields["geomean_kv8_speedup"])
+    assert fields["kv8_read"] == "kernel"

@@ -36,15 +36,10 @@ KERNEL_ENV = "RELAYGR_KV8_KERNEL"
 
 def kernel_runs(device: torch.device) -> bool:
     """Whether the Triton prefix-attention kernel reads 8-bit pages on ``device``: everywhere but CUDA (the
-    interpreter runs int8 exactly), and on CUDA only with ``RELAYGR_KV8_KERNEL=1``.
-
-    The rule: on CUDA the kernel's 8-bit read is not right yet, so 8-bit pages there attend through the torch path
-    (:func:`relaygr_engine.attention.ops.paged_prefix_attention` says so once), and the Triton KV write, which is
-    right there, still quantises them. Assembled by Triton 3.6's ptxas 12.8 the read faults with an illegal memory
-    access, fp8 and int8 pages alike, at the P.V ``wgmma`` of an HSTU candidate tile (measured:
-    ``benchmarks/results/gpu-h100-2026-11-26b/``, ``benchmarks/results/gpu-h200-2026-11-26b/``); by a CUDA 13 ptxas
-    it runs but 2.6% of the values are off by up to 0.36 (measured: ``benchmarks/results/gpu-h100-2026-11-27/``).
-    In the interpreter, bounds-checked, the read is exact. See ``docs/kvquant.md``."""
+    interpreter runs int8 exactly), and on CUDA only with ``RELAYGR_KV8_KERNEL=1`` until the CUDA 8-bit tests pass
+    on a GPU (``docs/kvquant.md``, "8-bit read on CUDA"). Where it does not, 8-bit pages attend through the torch
+    path (:func:`relaygr_engine.attention.ops.paged_prefix_attention` says so once); the Triton KV write quantises them
+    either way."""
     if device.type != "cuda":
         return True
     return env_flag(KERNEL_ENV)

@@ -7,7 +7,8 @@ shape-fixed strides known multiples of 16), and assembled by the ptxas Triton sh
 registers per thread and the bytes spilled to local memory; Triton's metadata gives the shared memory a program asks
 for; ``nvdisasm`` gives the SASS instruction mix (:mod:`benchmarks.tools.sass`): all instructions, tensor-core
 MMAs, synchronous global loads, asynchronous copies, shuffles and special-function instructions (``mufu``), of the
-whole kernel and of its key loop. These are
+whole kernel and of its key loop; :mod:`relaygr_engine.kernels._sass_flow` the defects of its control flow (``flow``:
+uniform registers read undefined on some path, registers of an in-flight ``wgmma`` touched). These are
 static facts of the compiled code, not timings: a config that spills pays local-memory traffic in its inner loop,
 and one whose shared memory exceeds the target's per-block limit cannot launch.
 
@@ -33,7 +34,8 @@ from typing import Iterator, Optional
 from relaygr_engine.cli_args import ArgumentParser, POSITIVE_INTS
 from benchmarks.tools.sass import Mix, instruction_mix
 from benchmarks.tools.sm90_compile import (_require_nvidia_backend, compile_kernel, ptxas_report,  # noqa: F401
-                                          torch_dtype)
+                                          ptxas_version, torch_dtype)
+from relaygr_engine.kernels._sass_flow import flow_defects
 from benchmarks.tools.sm_limits import LIMITS, limits, programs_per_sm
 
 __all__ = ["Build", "compile_attention", "compile_kernel", "default_grid", "ptxas_report", "main"]
@@ -78,6 +80,7 @@ class Build:
     sass: Mix              # the whole kernel
     loop: Mix              # its key loop
     compile_s: float
+    flow: int = 0          # defects of its control flow (sass_flow.flow_defects): 0 for correct code
 
 
 def attention_types(pointer: str) -> dict:
@@ -168,7 +171,7 @@ def build(cfg: Config, *, page_size=64, dtype="bf16", arch=90, smem_limit: Optio
     smem = int(kernel.metadata.shared)
     limit = smem_limit or limits(arch).smem_per_block
     return Build(cfg, regs, st, ld, smem, smem <= limit, programs_per_sm(regs, smem, cfg.num_warps, arch), whole, loop,
-                 time.perf_counter() - t0)
+                 time.perf_counter() - t0, len(flow_defects(kernel.asm["cubin"])))
 
 
 def build_all(grid: list[Config], workers: Optional[int] = None, **kw) -> Iterator[Build]:
@@ -263,7 +266,8 @@ def _row(b: Build) -> str:
             f"{b.spill_store_bytes:>8} {b.spill_load_bytes:>8} {b.shared_bytes:>7} {'y' if b.fits else 'NO':>4} "
             f"{b.programs_per_sm:>4} "
             f"{w.instructions:>6} {w.mma:>4} {w.global_loads:>4} {w.async_copies:>5} {w.shuffles:>4} "
-            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4} {lp.local:>3}")
+            f"{lp.instructions:>5} {lp.mma:>4} {lp.global_loads:>4} {lp.async_copies:>5} {lp.special:>4} {lp.local:>3} "
+            f"{b.flow:>4}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -355,12 +359,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                          opts.value_splits, opts.row_splits, splits)
                 if not (t and v > 1) and c[3] // m >= 16]
     print(f"target=sm_{opts.arch} dtype={opts.dtype} kv_dtype={opts.kv_dtype} page_size={opts.page_size} "
-          f"triton={triton.__version__} "
+          f"triton={triton.__version__} ptxas={ptxas_version(opts.arch)} "
           f"smem_limit={limits(opts.arch).smem_per_block}  ({len(grid)} configs; static report, nothing launched)")
     print(f"{'mode':<11} {'D':>4} {'tile':>4} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'pers':>4} {'tma':>3} "
           f"{'vs':>2} {'ms':>2} {'cap':>3} {'sp':>2} {'regs':>5} "
           f"{'spill_st':>8} {'spill_ld':>8} {'smem':>7} {'fits':>4} {'p/sm':>4} {'instr':>6} {'mma':>4} {'ldg':>4} "
-          f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4} {'lcl':>3}")
+          f"{'async':>5} {'shfl':>4} {'loop':>5} {'mma':>4} {'ldg':>4} {'async':>5} {'mufu':>4} {'lcl':>3} {'flow':>4}")
     rows = []
     for b in build_all(grid, page_size=opts.page_size, dtype=opts.dtype, arch=opts.arch):
         rows.append(b)
@@ -372,12 +376,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     clean = [b for b in rows if b.fits and b.spill_store_bytes == 0]
     fields = dict(arch=f"sm_{opts.arch}", configs=len(rows), spill_free=len(clean),
                   spilling=sum(b.spill_store_bytes > 0 for b in rows), over_smem=sum(not b.fits for b in rows),
-                  max_spill_bytes=max(b.spill_store_bytes for b in rows))
+                  max_spill_bytes=max(b.spill_store_bytes for b in rows), flow_defects=sum(b.flow > 0 for b in rows))
     if opts.defaults:
         default = [b for b in rows if b.config.mode != "hstu-nobias"]
         fields.update(default_configs=len(default), default_spilling=sum(b.spill_store_bytes > 0 for b in default),
                       default_loop_spilling=sum(b.loop.local > 0 for b in default),
-                      default_over_smem=sum(not b.fits for b in default))
+                      default_over_smem=sum(not b.fits for b in default),
+                      default_flow_defects=sum(b.flow > 0 for b in default))
     for d in sorted({b.config.head_dim for b in clean if b.config.cand_tiles}):  # candidate tiles' best occupancy
         fields[f"max_programs_per_sm_cand_d{d}"] = max(b.programs_per_sm for b in clean
                                                       if b.config.cand_tiles and b.config.head_dim == d)

@@ -71,3 +71,12 @@ def ptxas_report(ptx: str, arch: int = 90) -> tuple[int, int, int]:
     if proc.returncode != 0 or regs is None or spill is None:
         raise RuntimeError(f"ptxas failed or printed no resource report: {text.strip()[-400:]}")
     return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
+def ptxas_version(arch: int = 90) -> str:
+    """The version of the ptxas Triton assembles ``sm_<arch>`` with (``TRITON_PTXAS_PATH`` may name another), e.g.
+    ``12.8.93``."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    m = re.search(r"V(\d+\.\d+\.\d+)", get_ptxas_version(arch))
+    return m.group(1) if m else "?"

@@ -178,10 +178,11 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
               hopper_kernel: bool = False) -> dict:
     """Time one shape (``block_m=None``: the kernel's own tile rule) against its baselines; one result row. With an
     8-bit ``kv_dtype`` the same pages are also timed in that format (``kv8_ms``, ``kv8_speedup`` over the model
-    dtype's pages, ``kv8_err`` against them). On sm_90+ with ``page_reads="auto"`` (pointer and TMA reads
-    autotuned together) the pointer reads alone are timed too (``pointers_ms``, ``tma_gain``); ``autotuned`` lists
-    the configs the autotuner kept. ``splits``: programs per tile and head over its keys (None: the launcher's
-    rule); the row's ``splits`` is the number used, ``split_keys`` the keys each takes. ``value_splits``: programs
+    dtype's pages, ``kv8_err`` against them, ``kv8_read`` the path that read them). On sm_90+ with
+    ``page_reads="auto"`` (pointer and TMA reads autotuned together) the pointer reads alone are timed too
+    (``pointers_ms``, ``tma_gain``); ``autotuned`` lists the configs the autotuner kept. ``splits``: programs per
+    tile and head over its keys (None: the launcher's rule); the row's ``splits`` is the number used,
+    ``split_keys`` the keys each takes. ``value_splits``: programs
     per tile over its value columns (None: autotuned on CUDA, 1 elsewhere; ``autotuned`` names the choice).
     ``concurrent_tiles``: the history and candidate tiles' launches on two streams or one (None: the launcher's
     rule); the row's ``concurrent`` is what ran. ``split_dtype``: the split partials' dtype (None: the launcher's,
@@ -245,7 +246,8 @@ def run_shape(shape: Shape, device: torch.device, dtype, *, warmup: int, iters: 
         out8 = prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype)
         t8 = _time(lambda: prefix_attention(**qargs, **kw, persistent=persistent, plan=plan, kv_dtype=kv_dtype),
                    device, warmup, iters)
-        row.update(kv8_ms=t8 * 1e3, kv8_speedup=t_paged / t8, kv8_err=float((out8.float() - out.float()).abs().max()))
+        row.update(kv8_ms=t8 * 1e3, kv8_speedup=t_paged / t8, kv8_err=float((out8.float() - out.float()).abs().max()),
+                   kv8_read="kernel")  # (the launcher's kernel read them: main refuses where it does not)
     return _beside_matmul(row, flops, device, warmup, iters, lambda: _flashinfer_time(shape, args, kw, warmup, iters))
 
 

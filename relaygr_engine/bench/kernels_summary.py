@@ -77,8 +77,13 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
                    geomean_speedup_vs_recompute=_geo([r["speedup_vs_recompute"] for r in rows]),
                    max_paged_overhead=max(r["paged_overhead"] for r in rows))
     if kv_dtype != "model":
+        # kv8_time_ratio: the 8-bit pages' time over the model dtype's, the largest over the long shapes (below; all
+        # shapes where none is long); kv8_read: the path that read the 8-bit pages.
+        long8 = [r for r in rows if _long(r)] or rows
         summary.update(kv_dtype=kv_dtype, geomean_kv8_speedup=_geo([r["kv8_speedup"] for r in rows]),
-                       max_kv8_err=max(r["kv8_err"] for r in rows))
+                       max_kv8_err=max(r["kv8_err"] for r in rows),
+                       kv8_time_ratio=max(1 / r["kv8_speedup"] for r in long8),
+                       kv8_read=",".join(sorted({r.get("kv8_read", "kernel") for r in rows})))
     if any("tma_gain" in r for r in rows):
         summary["geomean_tma_gain"] = _geo([r["tma_gain"] for r in rows if "tma_gain" in r])
     if len(block_ms) > 1:  # one geomean per tile height, to compare them in one run
@@ -105,6 +110,11 @@ def summarize(rows: list[dict], *, device: str, dtype: str, kv_dtype: str = "mod
                 if picked or not hk:
                     summary[f"matmul_fraction_long_{m}{'_hopper' if hk else ''}"] = _geo(picked)
     return summary
+
+
+def _long(row: dict) -> bool:
+    """A long shape: prefix >= 4096, >= 256 query rows per user, batch >= 4."""
+    return row["prefix"] >= 4096 and row["new"] + row["cands"] >= 256 and row["users"] >= 4
 
 
 def _geomean_by(rows: list[dict], field: str, name, keep_none: bool = False) -> dict:

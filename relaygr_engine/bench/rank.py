@@ -30,8 +30,10 @@ shape with both::
 
 Model: HSTU (or ``--attention softmax``) of the ``--model`` preset's size (default ``small``: 2 layers, hidden 64,
 2 heads x 32, float32), any of ``--layers/--hidden/--heads/--head-dim/--dtype`` replacing it (the KV pages use the
-model's dtype). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8 layers, 4 heads x 256, bf16; a
-4096-token block with 3968 cached and 256 candidates) is::
+model's dtype, or with ``--kv-dtype int8`` / ``fp8_e4m3`` the 8-bit format of :mod:`relaygr_engine.quant`: the
+RESULT's ``kv8_read`` names the path that read them, ``kernel`` or ``torch``,
+:func:`~relaygr_engine.quant.kernel_runs`). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8 layers,
+4 heads x 256, bf16; a 4096-token block with 3968 cached and 256 candidates) is::
 
     relaygr bench rank --device cuda --model nvidia-hstu --page-size 64 --lengths 4096 --new 128 --candidates 256
 
@@ -39,6 +41,7 @@ model's dtype). NVIDIA's public HSTU inference shape (``--model nvidia-hstu``: 8
                        [--threads N] [--device cpu|cuda] [--backend auto|torch|triton] [--model PRESET]
                        [--layers N] [--hidden N] [--heads H] [--head-dim D] [--dtype D] [--page-size N]
                        [--lengths L,L,...] [--candidates C,C,...] [--compile] [--cuda-graphs]
+                       [--kv-dtype model|int8|fp8_e4m3]
 
 On CUDA the RESULT also says whether the sm_90 kernel served (``RELAYGR_HOPPER_KERNEL=1``): ``hopper_launches``
 (its launches: eager calls and graph captures) and ``hopper_failed`` (1: it failed, the portable kernel ran, the
@@ -103,6 +106,15 @@ def back_to_back_ms(fn, device: torch.device, n: int, wait_each: bool = False) -
     return (time.perf_counter() - t0) * 1e3 / n
 
 
+def kv8_read(cache: CacheConfig, device: torch.device) -> str:
+    """The path that reads a ranking's 8-bit pages: ``kernel`` (the Triton kernel) or ``torch``."""
+    from .. import quant
+    from ..attention.ops import _resolve_backend
+
+    triton = _resolve_backend(cache.attention_backend, device).value == "triton"
+    return "kernel" if triton and quant.kernel_runs(device) else "torch"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = ArgumentParser(prog="relaygr bench rank", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: L in {256, 1024}, C = 64, 1 repeat")
@@ -122,6 +134,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also time recompute and cached through CUDA graphs (a CUDA device, the Triton backend)")
     ap.add_argument("--compile", action="store_true",
                     help="run the whole model compiled on every path (torch.compile, fullgraph, dynamic shapes)")
+    ap.add_argument("--kv-dtype", default="model", choices=("model", "int8", "fp8_e4m3"),
+                    help="the prefix pages' format: the model's dtype, or 8-bit values with a scale per token and head")
     add_model_arguments(ap)
     args = ap.parse_args(argv)
     shape = model_shape(ap, args)
@@ -143,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = build_ranker(cfg, seed=0, device=device, dtype=dtype)
     pages = sum(-(-L // ps) for L in lengths) + 16
     cache = CacheConfig(device=str(device), page_size=ps, num_pages=pages, dtype=dtype, max_pinned_fraction=1.0,
-                        lease_ttl_s=3600.0, attention_backend=args.backend)
+                        lease_ttl_s=3600.0, attention_backend=args.backend, kv_dtype=args.kv_dtype)
     engine = RelayEngine(model, cache, extend_on_rank=False, compile_model=args.compile)
     graphed = (RelayEngine(model, cache, extend_on_rank=False, cuda_graphs=True, compile_model=args.compile)
                if args.cuda_graphs else None)
@@ -156,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = environment(str(device))
     print(f"relaygr bench rank: {args.attention}, {args.model} model: {shape.describe()}, page {ps}, "
           f"{env['device_name']}, {env['threads']} threads, prefix = L - {args.new}, "
-          f"{'compiled' if args.compile else 'eager'}, "
+          f"{'compiled' if args.compile else 'eager'}, pages {args.kv_dtype}, "
           f"median of {repeats} (after a warm-up)")
     print(f"{'L':>6} {'C':>5} {'cached':>7} {'full ms':>10} {'recomp ms':>10} {'cached ms':>10} "
           f"{'vs full':>8} {'vs recomp':>9} {'max|diff|':>10}")
@@ -227,7 +241,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result.update(max_abs_diff=worst, compiled=args.compile and not fallbacks, attention=args.attention,
                   model=args.model, layers=shape.num_layers, hidden=shape.hidden_dim, heads=shape.num_heads,
                   head_dim=shape.head_dim, dtype=shape.dtype, kv_bytes_per_token=shape.kv_bytes_per_token,
-                  device=str(device), threads=env["threads"])
+                  device=str(device), threads=env["threads"], kv_dtype=args.kv_dtype)
+    if cache.kv_dtype.quantized:
+        result["kv8_read"] = kv8_read(cache, device)
     if device.type == "cuda":
         result.update(autotune_report.hopper_fields())
     tuned = autotune_report.print_variants()  # which configs won on this device (CUDA), and by how much

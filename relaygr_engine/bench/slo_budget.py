@@ -11,9 +11,9 @@ every seed still to run, and takes the finest whose prediction fits :data:`FIT` 
 whose deadlines then cut searches short where the prediction is right). It prints that plan before serving and
 records it in every report and the summary. Where even a lower bound of the last rung (every answer where the
 search expects it, no run slower than the calibration measured, a relay mode's request 0.8 of a full inference,
-on this machine as loaded now) passes the time left, the budget cannot reach the quick resolution: the run ends before serving anything with a usage error (exit
-status 2) naming the budget the prediction fits. A first such check comes from the calibration's first measured
-points (half their cost: first calls), before its timed rounds.
+on this machine as loaded now) passes the time left, the budget cannot reach the quick resolution: the run ends before
+serving anything with a usage error (exit status 2) naming the budget the prediction fits. A first such check comes from
+the calibration's first measured points (half their cost: first calls), before its timed rounds.
 
 Holding it
 ----------

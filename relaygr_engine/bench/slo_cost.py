@@ -197,8 +197,8 @@ def _walk(kwargs: dict, answer: float) -> list:
 
 def predict_seed(cost: CostModel, values: dict, shape: SeedShape, later: bool = False, miss: float = MISS) -> dict:
     """Predicted wall seconds of one seed's phases (``qps``, ``ref``, ``len``, and their ``total``) and its
-    ``runs`` (``runs_<phase>`` in each), at the settings ``values`` (``requests``, ``warmup_requests``, ``min_duration_s``, ``rel_tol``,
-    ``len_step``, ``repeats``).
+    ``runs`` (``runs_<phase>`` in each), at the settings ``values`` (``requests``, ``warmup_requests``,
+    ``min_duration_s``, ``rel_tol``, ``len_step``, ``repeats``).
 
     The searches are walked against assumed answers: ``shape.prior`` (earlier seeds' answers), else the
     baseline's from the calibration (:data:`BASE_UTILIZATION` of its capacity; the length loading it

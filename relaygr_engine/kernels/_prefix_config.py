@@ -157,7 +157,8 @@ def prune_configs(configs, named_args, **kwargs):
     head dim 128 (or where the caller asked for them: ``V_SPLITS_PICK``, then only those); 8-bit pages with the
     in-kernel bias above head dim 128 only :data:`NARROW_CONFIG`, which no other variant takes. Configs reading
     pages through a tensor descriptor are offered as ``TMA_READS`` allows (they compile as the pointer configs do)
-    when a key block lies in one page."""
+    when a key block lies in one page. (On 8-bit pages the autotuner then drops the kept configs whose compiled code
+    fails the SASS flow check: :func:`_kv8`.)"""
     meta = {**named_args, **kwargs}
     head_dim, hstu, cand = meta.get("HEAD_DIM", 0), meta.get("HSTU", False), meta.get("CAND_TILES", True)
     rows = meta.get("BLOCK_M", 64)
@@ -332,12 +333,18 @@ def autotuned_choices() -> list[str]:
     return [str(c) for c in _autotuned.cache.values()] if _autotuned is not None else []
 
 
+def _kv8(named_args: dict, kwargs: dict) -> bool:
+    """Whether an autotuned call reads 8-bit pages: its configs' SASS is checked before they are timed
+    (:func:`~relaygr_engine.kernels._compile.flow_clean`)."""
+    return bool({**named_args, **kwargs}.get("KV8", False))
+
+
 def autotuned_kernel():
     """The kernel wrapped by ``triton.autotune`` over :data:`CUDA_CONFIGS` (built on first use)."""
     global _autotuned
     if _autotuned is None:
         # (pruned, then the kept configs compiled in parallel before the autotuner times them: kernels._compile)
-        prune = precompiling(prune_configs, prefix_attention_kernel)
+        prune = precompiling(prune_configs, prefix_attention_kernel, checked=_kv8)
         _autotuned = triton.autotune(configs=CUDA_CONFIGS, key=AUTOTUNE_KEYS, do_bench=_bench_config,
                                      prune_configs_by={"early_config_prune": prune})(prefix_attention_kernel)
         if torch.cuda.is_available():  # choices kept on disk with RELAYGR_AUTOTUNE_FILE (kernels._autotune_store)
