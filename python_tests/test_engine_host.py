@@ -249,3 +249,18 @@ def test_a_kept_torch_plan_serves_only_its_layout():
         r = engine.rank_with_prefix(user, h, c, request_time=t_req)
         assert r.cached_tokens == 24 and len(plans) == kept
         assert_exact(r, model, h, c, request_time=t_req)
+    from relaygr_engine.engine import forward
+    sizes = [size for _, size in plans.values()]
+    assert engine.runner._torch_plan_bytes == sum(sizes) > 0
+    with pytest.MonkeyPatch.context() as mp:  # a byte budget of two plans keeps the most recent within it
+        mp.setattr(forward, "TORCH_PLANS_BYTES", 2 * max(sizes))
+        r = engine.rank_with_prefix(2, h2.prefix(27), candidates(3))  # a new layout
+        assert_exact(r, model, h2.prefix(27), candidates(3))
+        assert 1 <= len(plans) <= 2 and engine.runner._torch_plan_bytes <= 2 * max(sizes)
+        assert next(reversed(plans))[0][0][0] == (2, _entry_of(engine, 2))
+
+
+def _entry_of(engine, user):
+    """The fingerprint of ``user``'s one cached entry."""
+    (fp, _), = engine.pool.entries_of(user)
+    return fp

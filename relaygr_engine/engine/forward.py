@@ -22,10 +22,12 @@ from .staging import page_bytes
 from .timing import LazyTimer
 from .tiers import CacheState
 
-__all__ = ["ForwardRunner", "TORCH_PLANS_KEPT"]
+__all__ = ["ForwardRunner", "TORCH_PLANS_BYTES", "TORCH_PLANS_KEPT"]
 
-# Torch-backend plans a runner keeps, by layout (the most recent; ForwardRunner._torch_plan).
+# Torch-backend plans a runner keeps, by layout (the most recent; ForwardRunner._torch_plan), and the most bytes
+# their tensors may hold together (a plan larger than that is not kept).
 TORCH_PLANS_KEPT = 64
+TORCH_PLANS_BYTES = 64 << 20
 
 
 class ForwardRunner:
@@ -56,7 +58,8 @@ class ForwardRunner:
         self.compile_attention = compile_attention
         self.timer = LazyTimer(state.cache.device)
         self.graphs = None if graphs is None else GraphRunner(self.model, layers, state, graphs)
-        self._torch_plans: collections.OrderedDict = collections.OrderedDict()  # a batch's layout -> its torch plan
+        self._torch_plans: collections.OrderedDict = collections.OrderedDict()  # layout -> (torch plan, its bytes)
+        self._torch_plan_bytes = 0
 
     def run(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
         """Every job's scores ``[C, num_tasks]`` (None without candidates); each job's new history K/V is written to
@@ -99,7 +102,7 @@ class ForwardRunner:
         candidates, the rows' timestamps (its index tables, and the bias indices its first layer adds, read only
         these; the cached tokens' timestamps are the entry's, which its key fixes). A batch of a kept layout (a user
         ranked again over the same prefix, as a relay does between pre-infers) reuses it: the last
-        :data:`TORCH_PLANS_KEPT`."""
+        :data:`TORCH_PLANS_KEPT`, within :data:`TORCH_PLANS_BYTES` of tensors."""
         st = self.state
         cache, ps, dev = st.cache, st.page_size, st.cache.device
         timed = batch.timestamps is not None
@@ -107,19 +110,22 @@ class ForwardRunner:
         if dev.type == "cpu" and all(j.candidates is not None for j in jobs):  # (rankings: a pre-infer's rows are new)
             key = (tuple((j.key, j.start, page_bytes(j.pages, -(-j.start // ps))) for j in jobs), batch.rows,
                    batch.candidates_per_user, batch.timestamps.numpy().tobytes() if timed else None)
-            plan = self._torch_plans.get(key)
-            if plan is not None:
+            got = self._torch_plans.get(key)
+            if got is not None:
                 self._torch_plans.move_to_end(key)
-                return plan
+                return got[0]
         plan = build_torch_plan(
             batch.rows, batch.candidates_per_user, [j.start for j in jobs],
             [j.pages if j.start else np.zeros(0, np.int64) for j in jobs], ps, cache.num_heads, dev,
             ts_rows=batch.timestamps if timed else None, ts_cache=cache.timestamps if timed else None,
             slots_per_page=cache.slots_per_page if cache.kv_dtype.quantized else None, head_dim=cache.head_dim)
-        if key is not None:
-            self._torch_plans[key] = plan
-            if len(self._torch_plans) > TORCH_PLANS_KEPT:
-                self._torch_plans.popitem(last=False)
+        if key is not None and plan is not None:
+            size = sum(t.numel() * t.element_size() for t in vars(plan).values() if isinstance(t, torch.Tensor))
+            kept = self._torch_plans
+            kept[key] = (plan, size)
+            self._torch_plan_bytes += size
+            while kept and (len(kept) > TORCH_PLANS_KEPT or self._torch_plan_bytes > TORCH_PLANS_BYTES):
+                self._torch_plan_bytes -= kept.popitem(last=False)[1][1]
         return plan
 
     def _run_group(self, jobs: list[Job]) -> list[Optional[torch.Tensor]]:
