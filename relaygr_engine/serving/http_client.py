@@ -93,9 +93,10 @@ class RelayHTTPClient:
     by_difference : bool
         Send rankings that present a ticket by difference (default True).
     inline_max_bytes : int
-        Requests whose JSON is at most this long (0 to :data:`~relaygr_engine.serving.http_ingress.BODY_HEADER_MAX_BYTES`)
-        travel in the ``x-relaygr-body`` header, which the replica receives with the request instead of fetching
-        the body from the proxy (default 8192; 0: always a body).
+        Requests whose JSON is at most this long (0 to
+        :data:`~relaygr_engine.serving.http_ingress.BODY_HEADER_MAX_BYTES`) travel in the ``x-relaygr-body``
+        header, which the replica receives with the request instead of fetching the body from the proxy (default
+        8192; 0: always a body).
     forward_deadline_s : float
         Time budget (> 0) of a pre-infer's forwarding.
     timeout_s : float
