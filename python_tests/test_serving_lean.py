@@ -227,3 +227,26 @@ def test_http_client_resends_the_whole_history_after_a_409(replica, monkeypatch)
     assert r.resent_full and not r.by_difference
     assert float((r.scores - model.rank_full(changed, c)).abs().max()) < ATOL
     assert client.stats()["rank_full_resends"] == 1 and client.stats()["rank_by_difference"] == 1
+
+
+def test_replica_pre_infers_in_chunks_judged_once_on_the_whole_prefix():
+    from relaygr_engine.serving.chunked_prefill import chunk_targets
+
+    assert chunk_targets(0, 50, 16) == [16, 32, 48, 50] and chunk_targets(20, 50, 16) == [36, 50]
+    assert chunk_targets(0, 50, 0) == [50] and chunk_targets(60, 50, 16) == [50]
+    threads = torch.get_num_threads()
+    try:
+        rep = RelayReplica(ReplicaSpec(model=CFG, seed=SEED, cache=dict(num_pages=64), prefill_chunk_tokens=16,
+                                       trigger=dict(slo_ms=100.0, margin=1e-6, expected_candidates=6)))
+    finally:
+        torch.set_num_threads(threads)
+    model = rg.build_ranker(CFG, seed=SEED)
+    h, c = history(24, 60), candidates(24)
+    status, pre, _ = _call(rep, _Request("/prefill", {"user_id": 24, **wire.behaviors_to_json(h.prefix(48))}))
+    assert status == 200 and pre["admitted"] and pre["ticket"]["num_tokens"] == 48
+    s = rep.engine.stats()
+    assert s["prefills"] == 3 and s["trigger_admits"] == 1  # three chunks, one decision on the whole prefix
+    status, reply, _ = _call(rep, _Request("/rank", {"user_id": 24, **wire.behaviors_to_json(h),
+                                                     "candidates": c.tolist(), "ticket": pre["ticket"]}))
+    assert status == 200 and reply["source"] == "hbm" and reply["cached_tokens"] == 48
+    assert float((torch.tensor(reply["scores"]) - model.rank_full(h, c)).abs().max()) < ATOL

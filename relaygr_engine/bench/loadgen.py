@@ -112,7 +112,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 def serve_command(args, model, profile_path: str) -> list[str]:
     """The ``relaygr serve`` arguments whose replica serves what the in-process relay does: the same model (config
-    and seed), page size, HBM pages, DRAM tier, lease, stored misses, trigger and latency model, one replica."""
+    and seed), page size, HBM pages, DRAM tier, lease, stored misses, pre-infer chunks, trigger and latency
+    model, one replica."""
     cfg = model.config
     fields = {k: getattr(cfg, k) for k in ("num_layers", "hidden_dim", "num_heads", "head_dim", "num_items",
                                            "num_actions", "max_seq_len", "num_tasks")}
@@ -122,7 +123,7 @@ def serve_command(args, model, profile_path: str) -> list[str]:
            "--seed", str(args.seed), "--device", "cpu" if args.device == "cpu" else "cuda",
            "--torch-threads", str(args.threads), "--page-size", str(args.page_size), "--num-pages", str(pages),
            "--dram-mb", f"{args.dram_mb:g}", "--lease-ttl-s", f"{args.lease_ms / 1e3:g}", "--slo-ms",
-           f"{args.slo_ms:g}"]
+           f"{args.slo_ms:g}", "--prefill-chunk-tokens", str(args.chunk_tokens)]
     if not args.no_store_misses:
         cmd.append("--store-misses")
     if not args.no_trigger:

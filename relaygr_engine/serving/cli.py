@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="host DRAM tier per replica in MiB: evicted prefixes are kept there (0: none)")
     e.add_argument("--store-misses", action="store_true",
                    help="keep the history K/V of rankings that found nothing cached")
+    e.add_argument("--prefill-chunk-tokens", type=COUNT, default=0,
+                   help="pre-infer in chunks of at most this many new tokens, rankings going between chunks (0: "
+                        "one call)")
     e.add_argument("--max-kept-prefixes", type=COUNT, default=4096,
                    help="prefixes of leased tickets kept per replica for rankings sent by difference (4096; 0: "
                         "none, such rankings are answered 409 and resent whole)")
@@ -132,6 +135,7 @@ def _spec(args):
                        trigger=args.trigger, latency_profile=args.latency_profile, torch_threads=args.torch_threads,
                        max_pending_prefills=args.max_pending_prefills, slo_ms=args.slo_ms,
                        store_misses=args.store_misses, max_kept_prefixes=args.max_kept_prefixes,
+                       prefill_chunk_tokens=args.prefill_chunk_tokens,
                        limits=RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                                             max_candidates=args.max_candidates, max_history=args.max_history))
 

@@ -45,6 +45,7 @@ import torch
 from ..engine import RankRequest, RankResult
 from ..policy import _checks
 from . import http_ingress, wire
+from .chunked_prefill import WholePrefixTrigger, chunk_targets
 from .gate import EngineGate
 from .metrics import EngineMetrics
 from .prefix_store import PrefixStore
@@ -149,8 +150,7 @@ class RelayReplica:
         self._inflight_prefills += 1
         parsed = time.perf_counter()
         try:
-            ticket, waited, engine_s = await asyncio.to_thread(self._engine_call, "prefill", user,
-                                                               self.engine.prefill_prefix, user, history)
+            ticket, waited, engine_s = await self._prefill_chunks(user, history)
         finally:
             self._inflight_prefills -= 1
         if ticket is None:  # its ranking arrived first: the ranking computes what it needs
@@ -166,6 +166,37 @@ class RelayReplica:
                      "rejected" if reply["rejected"] else "declined")
         _timed(timing, parse=parsed - started, queue=waited, engine=engine_s)
         return reply
+
+    async def _prefill_chunks(self, user: int, history) -> tuple:
+        """Pre-infer ``history`` in chunks of ``spec.prefill_chunk_tokens`` (one call when 0), each through the
+        gate; ``(last ticket or None when superseded, seconds waited, seconds in the engine)``."""
+        chunk, trig = self.spec.prefill_chunk_tokens, self.engine.trigger
+        cached = 0
+        if chunk:
+            cached = await asyncio.to_thread(self.engine.match_length, user, history) - history.num_context_tokens
+        whole = trig.open(history.num_tokens) if isinstance(trig, WholePrefixTrigger) else None
+        ticket, waited, engine_s = None, 0.0, 0.0
+        try:
+            for n in chunk_targets(cached, len(history), chunk):
+                part = history if n == len(history) else history.prefix(n)
+                out, w, e = await asyncio.to_thread(self._engine_call, "prefill", user, self._prefill_one, user,
+                                                    part, whole)
+                waited, engine_s = waited + w, engine_s + e
+                if out is None:   # its ranking arrived between two chunks
+                    return None, waited, engine_s
+                ticket = out
+                if not ticket.admitted:
+                    break
+        finally:
+            if whole is not None:
+                trig.close(whole)
+        return ticket, waited, engine_s
+
+    def _prefill_one(self, user: int, history, whole):
+        if whole is None:
+            return self.engine.prefill_prefix(user, history)
+        with self.engine.trigger.chunk(whole):
+            return self.engine.prefill_prefix(user, history)
 
     async def rank(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
         """Score the candidates of ``body`` over the longest prefix this replica holds (exact either way); with

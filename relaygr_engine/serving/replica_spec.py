@@ -16,6 +16,7 @@ from ..policy import _checks
 from ..policy.latency import LatencyModel
 from ..policy.trigger import SequenceAwareTrigger, TriggerConfig
 from . import wire
+from .chunked_prefill import WholePrefixTrigger
 
 __all__ = ["ReplicaSpec"]
 
@@ -67,6 +68,9 @@ class ReplicaSpec:
     max_kept_prefixes : int
         Prefixes of leased tickets kept for rankings by difference (>= 0; 0: every such ranking is answered 409
         and resent whole; :class:`~relaygr_engine.serving.prefix_store.PrefixStore`).
+    prefill_chunk_tokens : int
+        Pre-infer in chunks of at most this many new tokens, a waiting ranking going between two chunks (>= 0;
+        0: one call; :mod:`~relaygr_engine.serving.chunked_prefill`).
     """
 
     model: Union[GRModelConfig, dict]
@@ -81,6 +85,7 @@ class ReplicaSpec:
     limits: Union[wire.RequestLimits, dict] = wire.RequestLimits()
     store_misses: bool = False
     max_kept_prefixes: int = 4096
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _from(GRModelConfig, "model", self.model))
@@ -94,6 +99,7 @@ class ReplicaSpec:
             _checks.count("max_pending_prefills", self.max_pending_prefills, 1)
         object.__setattr__(self, "slo_ms", _checks.number("slo_ms", self.slo_ms, low=0.0, low_open=True))
         _checks.count("max_kept_prefixes", self.max_kept_prefixes)
+        _checks.count("prefill_chunk_tokens", self.prefill_chunk_tokens)
         if not isinstance(self.store_misses, bool):
             raise ValueError(f"store_misses must be a bool, got {type(self.store_misses).__name__}")
         for name in ("state_dict_path", "latency_profile"):
@@ -126,4 +132,6 @@ class ReplicaSpec:
             lat = (LatencyModel.load(self.latency_profile) if self.latency_profile is not None
                    else LatencyModel.default(device))
             trigger = SequenceAwareTrigger(lat, self.trigger)
+            if self.prefill_chunk_tokens:  # the chunks of one pre-infer are judged once, on the whole prefix
+                trigger = WholePrefixTrigger(trigger, self.cache.page_size)
         return RelayEngine(model, self.cache, trigger, store_misses=self.store_misses)
