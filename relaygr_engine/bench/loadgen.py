@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("loadgen")
     g.add_argument("--target-qps", type=POSITIVE,
                    help="one LoadGen run per mode at this QPS instead of the SLO-compliant throughput search")
+    g.add_argument("--max-run-s", type=POSITIVE, default=300.0,
+                   help="longest LoadGen run of the search: it tries no QPS below --requests / --max-run-s")
     g.add_argument("--order", default=Order.STREAM.value, choices=[o.value for o in Order],
                    help="which request a query serves: 'stream' = the k-th query issued serves the stream's k-th "
                         "request (a user's requests keep their order), 'loadgen' = LoadGen's sample index picks it")

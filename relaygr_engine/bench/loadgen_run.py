@@ -166,7 +166,9 @@ def start_qps(bench, known: Optional[dict] = None) -> dict:
 
 def search(target, modes: list, starts: dict, a, say=print) -> dict:
     """Each mode's SLO-compliant throughput on ``target``: ``bench slo``'s sweep and bisection, the modes in
-    lockstep. Returns ``{mode: {"slo_throughput": SearchResult dict, "curve": [point summaries]}}``."""
+    lockstep, no lower than ``--requests / --max-run-s`` QPS (a run lasts its queries over its QPS: status
+    ``none`` when even that fails). Returns ``{mode: {"slo_throughput": SearchResult dict, "curve": [point
+    summaries]}}``."""
     curves: dict = {m: {} for m in modes}
 
     def at(m):
@@ -176,8 +178,9 @@ def search(target, modes: list, starts: dict, a, say=print) -> dict:
             return ok, None
         return evaluate
 
-    found = rpt.search_lockstep({m: (rpt.search_steps(starts[m], lo=starts[m] / 256, hi=starts[m] * 256,
-                                                      factor=2.0, rel_tol=a.rel_tol,
+    floor = a.requests / a.max_run_s   # below it a run would last longer than --max-run-s
+    found = rpt.search_lockstep({m: (rpt.search_steps(max(starts[m], floor), lo=max(starts[m] / 256, floor),
+                                                      hi=max(starts[m], floor) * 256, factor=2.0, rel_tol=a.rel_tol,
                                                       max_evals=14 if a.quick else 20), at(m)) for m in modes})
     return {m: {"slo_throughput": found[m].to_dict(), "curve": [dict(curves[m][q], qps=q) for q in sorted(curves[m])]}
             for m in modes}
