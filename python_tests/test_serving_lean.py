@@ -250,3 +250,14 @@ def test_replica_pre_infers_in_chunks_judged_once_on_the_whole_prefix():
                                                      "candidates": c.tolist(), "ticket": pre["ticket"]}))
     assert status == 200 and reply["source"] == "hbm" and reply["cached_tokens"] == 48
     assert float((torch.tensor(reply["scores"]) - model.rank_full(h, c)).abs().max()) < ATOL
+
+
+def test_gate_try_ranking_takes_only_a_free_engine():
+    gate = EngineGate()
+    assert gate.try_ranking(1)
+    assert not gate.try_ranking(2)  # held: the caller waits in a worker thread instead
+    gate.release()
+    with gate.prefill(3) as (go, _):
+        assert go and not gate.try_ranking(3)
+    assert gate.try_ranking(3)
+    gate.release()

@@ -22,7 +22,8 @@ class EngineGate:
     """Admits one engine call at a time: rankings before pre-infers, stale pre-infers dropped.
 
     Use ``with gate.ranking(user) as waited:`` and ``with gate.prefill(user) as (go, waited):`` around the engine
-    call (``waited``: seconds spent waiting; ``go`` False: the pre-infer was superseded, do not run it).
+    call (``waited``: seconds spent waiting; ``go`` False: the pre-infer was superseded, do not run it), or
+    :meth:`try_ranking` to take a free engine without waiting.
     """
 
     def __init__(self) -> None:
@@ -82,6 +83,21 @@ class EngineGate:
             yield True, time.perf_counter() - start
         finally:
             self._release()
+
+    def try_ranking(self, user: int) -> bool:
+        """Take the engine for a ranking of ``user`` at once when nothing holds it (True; :meth:`release` it),
+        else change nothing (False): the caller then waits with :meth:`ranking`."""
+        with self._cv:
+            if self._busy:
+                return False
+            if self._pending[user]:
+                self._stale.add(user)
+            self._busy = True
+            return True
+
+    def release(self) -> None:
+        """Give back the engine taken by :meth:`try_ranking`."""
+        self._release()
 
     def _release(self) -> None:
         with self._cv:
