@@ -37,8 +37,6 @@ from .loadgen_sut import Order
 
 __all__ = ["build_parser", "check_args", "serve_command", "main"]
 
-HTTP_MODES = ("baseline", "relay")
-
 
 def build_parser() -> argparse.ArgumentParser:
     """``bench slo``'s options and this command's own (group ``loadgen``)."""

@@ -30,7 +30,7 @@ from .loadgen_server import QueryLog
 from .serving import to_behaviors
 from .workload_requests import Request
 
-__all__ = ["HTTPDriver", "warm_up"]
+__all__ = ["HTTPDriver", "warm_up", "max_abs_diff"]
 
 
 def _inputs(req: Request, user_offset: int) -> tuple:

@@ -14,6 +14,7 @@ import numpy as np
 from . import report as rpt
 from . import slo_setup, slo_workers
 from .loadgen_run import HTTPTarget, InProcessTarget, judge, search, start_qps
+from .loadgen_text import write
 from .serving import simulate
 from .slo_output import Console
 from .slo_run import _Bench, _loadavg, _timer, calibrate_latency
@@ -114,9 +115,7 @@ def run(args, log, source: str, vclock: Optional[dict]) -> dict:
               "targets": results, "vclock": _vclock_summary(vclock), "result": result,
               "result_line": rpt.result_line(result), "elapsed_s": time.perf_counter() - t_start}
     report["headline"] = _headline(result, args)
-    from .loadgen_text import render, write
-
-    report["paths"] = write(report, args.out, render)
+    report["paths"] = write(report, args.out)
     return report
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import itertools
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +171,3 @@ def read_detail(path, percentile: float = 0.99) -> dict:
         "errors": int(values.get("num_errors", 0) or 0), "early_stopping": values.get("early_stopping_result"),
     }
 
-
-def summary_path(point_dir) -> str:
-    """The point's ``mlperf_log_summary.txt``."""
-    return os.path.join(os.fspath(point_dir), LOG_FILES[0])
