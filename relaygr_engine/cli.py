@@ -35,6 +35,7 @@ BENCHMARKS = {
     "host": "relaygr_engine.bench.host",
     "kernels": "relaygr_engine.bench.kernels",
     "kvquant": "relaygr_engine.bench.kvquant",
+    "loadgen": "relaygr_engine.bench.loadgen",
     "overhead": "relaygr_engine.bench.overhead",
     "pool": "relaygr_engine.bench.pool",
     "rank": "relaygr_engine.bench.rank",

@@ -12,6 +12,9 @@ Local mode listens on loopback only: Ray's node IP is 127.0.0.1 (``RAY_ENABLE_WI
 before Ray is imported, so that Ray does not replace 127.0.0.1 by the machine's address; then its GCS, raylet, agents
 and workers bind 127.0.0.1), no dashboard, and Serve's HTTP proxy on ``--host`` (127.0.0.1). Serving other machines
 is explicit: ``--address`` joins a cluster started with ``ray start``, ``--host 0.0.0.0`` opens the HTTP port.
+A local Ray also starts its workers (the replicas and Serve's proxy) at normal priority (``RAY_worker_niceness=0``
+unless set; Ray's own default, nice 15, lets any other process on the machine, a load generator included, take the
+CPU from the serving path).
 
 A ``--port`` (or ``--metrics-port``) that cannot be listened on is a usage error before a local Ray starts; if the
 port is taken between that check and Serve's proxy binding it, the proxy's failure ends as the same one-line error
@@ -35,6 +38,7 @@ from ..cli_args import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, ArgumentPar
 
 _DEVICES = ("cpu", "cuda")
 _LOCAL_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray keeps 127.0.0.1 as its node IP
+_NICENESS_ENV = "RAY_worker_niceness"  # a local Ray starts its workers (replicas, proxy) at this nice value
 _LOOPBACK = "127.0.0.1"
 _BIND_FAILURE = re.compile(r"Failed to bind to address '([^']*)'")  # Serve's proxy (ray.serve._private.http_util)
 
@@ -87,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=POSITIVE_INT, default=16, help="tokens per page (16)")
     e.add_argument("--max-pinned-fraction", type=float, default=0.5, help="share of pages leases may pin (0.5)")
     e.add_argument("--lease-ttl-s", type=POSITIVE, default=1.0, help="pre-infer lease: the relay window in s (1.0)")
+    e.add_argument("--dram-mb", type=NON_NEGATIVE, default=0.0,
+                   help="host DRAM tier per replica in MiB: evicted prefixes are kept there (0: none)")
+    e.add_argument("--store-misses", action="store_true",
+                   help="keep the history K/V of rankings that found nothing cached")
+    e.add_argument("--prefill-chunk-tokens", type=COUNT, default=0,
+                   help="pre-infer in chunks of at most this many new tokens, rankings going between chunks (0: "
+                        "one call)")
+    e.add_argument("--max-kept-prefixes", type=COUNT, default=4096,
+                   help="prefixes of leased tickets kept per replica for rankings sent by difference (4096; 0: "
+                        "none, such rankings are answered 409 and resent whole)")
     e.add_argument("--trigger", type=json_object, default=None,
                    help="TriggerConfig fields as JSON or a JSON file (default: no trigger, pre-infer what fits)")
     e.add_argument("--latency-profile", default=None, help="the trigger's profile (default: the shipped one)")
@@ -115,10 +129,13 @@ def _spec(args):
     from .wire import RequestLimits
 
     cache = CacheConfig(device=args.device, page_size=args.page_size, num_pages=args.num_pages,
-                        max_pinned_fraction=args.max_pinned_fraction, lease_ttl_s=args.lease_ttl_s)
+                        max_pinned_fraction=args.max_pinned_fraction, lease_ttl_s=args.lease_ttl_s,
+                        dram_bytes=int(args.dram_mb * 2**20))
     return ReplicaSpec(model=dict(args.model), seed=args.seed, state_dict_path=args.state_dict, cache=cache,
                        trigger=args.trigger, latency_profile=args.latency_profile, torch_threads=args.torch_threads,
                        max_pending_prefills=args.max_pending_prefills, slo_ms=args.slo_ms,
+                       store_misses=args.store_misses, max_kept_prefixes=args.max_kept_prefixes,
+                       prefill_chunk_tokens=args.prefill_chunk_tokens,
                        limits=RequestLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                                             max_candidates=args.max_candidates, max_history=args.max_history))
 
@@ -162,6 +179,7 @@ def main(argv: Optional[list[str]] = None, stop: Optional[threading.Event] = Non
                      "metrics on the ports they were started with")
     if args.address is None:  # read by Ray when it is imported (see the module docstring)
         os.environ[_LOCAL_NODE_ENV] = "0"
+        os.environ.setdefault(_NICENESS_ENV, "0")  # replicas and proxy at normal priority (Ray's default: 15)
     require_modules(parser, ["ray.serve"], "ray", "relaygr serve")
     import ray
     from ray import serve

@@ -99,16 +99,18 @@ class RankReplica(_OnNode, RelayReplica):
             ticket = await asyncio.to_thread(self.engine.import_prefix, history, packed)
         finally:
             self._inflight_prefills -= 1
+        if ticket.admitted:
+            self.prefixes.keep(ticket, history, time.monotonic())
         reply = wire.prefill_reply(ticket, self.replica_id, user)
         if reply["rejected"]:
             self._c["replica_receive_rejections"] += 1
         return reply
 
-    async def prefill(self, body: Mapping[str, Any]) -> dict:
+    async def prefill(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
         """HTTP ``POST /prefill`` on the ingress: passed on to the pre-infer pool (one attempt; the client
         forwards)."""
         if self._prefill_handle is None:
-            return await super().prefill(body)
+            return await super().prefill(body, timing)
         user, _ = self._parse(body)
         key = RouteKey(user, prefill=True)
         return await self._prefill_handle.options(method_name="prefill", session_id=key.encode()).remote(dict(body))
@@ -142,10 +144,10 @@ class PrefillReplica(_OnNode, RelayReplica):
             self._rank = serve.get_deployment_handle(self._rank_name, app_name=self._app)
         return self._rank
 
-    async def prefill(self, body: Mapping[str, Any]) -> dict:
+    async def prefill(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
         """Pre-infer ``body``'s history and hand it to the user's ranking replica; the reply's ``ticket`` names
         that replica, ``rejected`` asks the caller to forward to another pre-infer replica."""
-        reply = await super().prefill(body)
+        reply = await super().prefill(body, timing)
         if not reply["admitted"]:
             return reply
         user, history = self._parse(body)
@@ -155,7 +157,7 @@ class PrefillReplica(_OnNode, RelayReplica):
             return wire.prefill_reply(None, self.replica_id, user, reason="evicted_before_pack")
         return await self._hand_over(user, body, packed)
 
-    async def rank(self, body: Mapping[str, Any]) -> dict:
+    async def rank(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
         raise ValueError("the pre-infer pool does not rank: send rankings to the ranking pool")
 
     async def _hand_over(self, user: int, body: Mapping[str, Any], packed) -> dict:

@@ -74,7 +74,8 @@ METRICS: tuple[MetricSpec, ...] = (
     *(MetricSpec(f"relaygr_engine_{k}", MetricKind.COUNTER, d) for k, d in ENGINE_COUNTERS.items()),
     MetricSpec("relaygr_prefill_requests", MetricKind.COUNTER,
                "pre-infer requests by outcome: admitted, rejected (for the caller to forward), busy (rejected "
-               "at once: max_pending_prefills reached), declined (final)", ("outcome",)),
+               "at once: max_pending_prefills reached), declined (final), superseded (dropped: its user's ranking "
+               "arrived while it waited)", ("outcome",)),
     MetricSpec("relaygr_rank_latency_ms", MetricKind.HISTOGRAM,
                "time from a ranking request's arrival at the replica to its scores (ms)"),
     MetricSpec("relaygr_prefill_latency_ms", MetricKind.HISTOGRAM,
@@ -181,8 +182,8 @@ class EngineMetrics:
         self._m["relaygr_rank_latency_ms"].observe(latency_s * 1e3)
 
     def record_prefill(self, outcome: str, latency_s: float) -> None:
-        """One pre-infer request answered with ``outcome`` (``"admitted"``, ``"rejected"``, ``"busy"`` or
-        ``"declined"``) ``latency_s`` seconds after it arrived."""
+        """One pre-infer request answered with ``outcome`` (``"admitted"``, ``"rejected"``, ``"busy"``,
+        ``"declined"`` or ``"superseded"``) ``latency_s`` seconds after it arrived."""
         self._m["relaygr_prefill_requests"].inc(1.0, tags={"outcome": str(outcome)})
         self._m["relaygr_prefill_latency_ms"].observe(latency_s * 1e3)
 

@@ -37,127 +37,25 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 import time
-from dataclasses import dataclass, fields, is_dataclass
-from enum import Enum
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 
-from ..config import CacheConfig
-from ..engine import RankRequest, RelayEngine
-from ..models import GRModelConfig, build_ranker
+from ..engine import RankRequest, RankResult
 from ..policy import _checks
-from ..policy.latency import LatencyModel
-from ..policy.trigger import SequenceAwareTrigger, TriggerConfig
-from . import wire
+from . import http_ingress, wire
+from .chunked_prefill import WholePrefixTrigger, chunk_targets
+from .gate import EngineGate
 from .metrics import EngineMetrics
+from .prefix_store import PrefixStore
 from .ratio_policy import LoadWindow
+from .replica_spec import ReplicaSpec
 from .route_key import parse_user_id
 
 __all__ = ["ReplicaSpec", "RelayReplica", "build_app", "run", "DEPLOYMENT_NAME"]
 
 DEPLOYMENT_NAME = "RelayReplica"
-
-
-def _from(cls, name: str, value):
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        known = {f.name for f in fields(cls)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(f"{name} has unknown fields {sorted(unknown)}; valid: {sorted(known)}")
-        return cls(**value)
-    raise ValueError(f"{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What every replica builds.
-
-    Parameters
-    ----------
-    model : GRModelConfig or dict
-    seed : int
-        ``build_ranker`` seed (the weights when no ``state_dict_path`` is given).
-    state_dict_path : str, optional
-        A ``torch.save``-d ``state_dict`` loaded into the model (a path every node can read).
-    cache : CacheConfig or dict
-        The replica's cache; its ``device`` is where the model runs.
-    trigger : TriggerConfig or dict, optional
-        Pre-inference admission (:class:`~relaygr_engine.policy.trigger.SequenceAwareTrigger`); None admits every
-        pre-infer the pool can take.
-    latency_profile : str, optional
-        The trigger's latency profile (``relaygr calibrate``); default: the profile shipped for the device type.
-    torch_threads : int
-        ``torch.set_num_threads`` in the replica (>= 1).
-    max_pending_prefills : int, optional
-        Pre-infers a replica holds at once (queued or running, >= 1); one more is rejected immediately. None: no
-        bound.
-    slo_ms : float
-        The ranking latency objective (> 0) a replica measures its rankings against (time in the replica), for
-        the live ratio policy (:mod:`~relaygr_engine.serving.ratio_policy`).
-    limits : RequestLimits or dict
-        What one request may hold (body bytes, JSON nesting, candidates, history entries), checked before it is
-        parsed into tensors (:class:`~relaygr_engine.serving.wire.RequestLimits`; default: its defaults, with the
-        history bounded by the model's ``max_seq_len``).
-    """
-
-    model: Union[GRModelConfig, dict]
-    seed: int = 0
-    state_dict_path: Optional[str] = None
-    cache: Union[CacheConfig, dict] = CacheConfig()
-    trigger: Union[TriggerConfig, dict, None] = None
-    latency_profile: Optional[str] = None
-    torch_threads: int = 1
-    max_pending_prefills: Optional[int] = None
-    slo_ms: float = 100.0
-    limits: Union[wire.RequestLimits, dict] = wire.RequestLimits()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", _from(GRModelConfig, "model", self.model))
-        object.__setattr__(self, "limits", _from(wire.RequestLimits, "limits", self.limits))
-        object.__setattr__(self, "cache", _from(CacheConfig, "cache", self.cache))
-        if self.trigger is not None:
-            object.__setattr__(self, "trigger", _from(TriggerConfig, "trigger", self.trigger))
-        _checks.count("seed", self.seed)
-        _checks.count("torch_threads", self.torch_threads, 1)
-        if self.max_pending_prefills is not None:
-            _checks.count("max_pending_prefills", self.max_pending_prefills, 1)
-        object.__setattr__(self, "slo_ms", _checks.number("slo_ms", self.slo_ms, low=0.0, low_open=True))
-        for name in ("state_dict_path", "latency_profile"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, (str, os.PathLike)):
-                raise ValueError(f"{name} must be a path or None, got {type(v).__name__}")
-
-    def to_json(self) -> dict:
-        """The spec as JSON-ready fields (``ReplicaSpec(**spec.to_json())`` builds it again), e.g. for the
-        arguments of a Serve config."""
-        def plain(v):
-            if is_dataclass(v):
-                return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
-            if isinstance(v, Enum):
-                return v.value
-            if isinstance(v, torch.dtype):
-                return str(v).removeprefix("torch.")
-            return os.fspath(v) if isinstance(v, os.PathLike) else v
-
-        return plain(self)
-
-    def build_engine(self) -> RelayEngine:
-        """The model (seeded, or loaded from ``state_dict_path``), its trigger and engine, on the cache device."""
-        device = self.cache.device
-        model = build_ranker(self.model, seed=self.seed, device=device)
-        if self.state_dict_path is not None:
-            model.load_state_dict(torch.load(self.state_dict_path, map_location=device, weights_only=True))
-        trigger = None
-        if self.trigger is not None:
-            lat = (LatencyModel.load(self.latency_profile) if self.latency_profile is not None
-                   else LatencyModel.default(device))
-            trigger = SequenceAwareTrigger(lat, self.trigger)
-        return RelayEngine(model, self.cache, trigger)
 
 
 def _replica_identity() -> tuple[str, Optional[str]]:
@@ -175,9 +73,13 @@ def _replica_identity() -> tuple[str, Optional[str]]:
 class RelayReplica:
     """One Serve replica: a :class:`~relaygr_engine.RelayEngine` behind JSON methods and HTTP endpoints.
 
-    Engine calls run in a worker thread (the engine serialises them under its lock), so the replica's event loop
-    stays free to answer routing-stats polls and to reject pre-infers at once. Inside a Serve replica every
-    request is also recorded in the Prometheus metrics of :mod:`~relaygr_engine.serving.metrics`.
+    Engine calls run in a worker thread, one at a time through the replica's
+    :class:`~relaygr_engine.serving.gate.EngineGate` (rankings before pre-infers, a pre-infer superseded by its
+    user's ranking dropped), so the replica's event loop stays free to answer routing-stats polls and to reject
+    pre-infers at once, and a ranking's wait for the engine is measured (the pool-ratio policy reads it). The
+    prefixes of its leased tickets are kept (:mod:`~relaygr_engine.serving.prefix_store`)
+    for rankings that send only the behaviors after them. Inside a Serve replica every request is also recorded in
+    the Prometheus metrics of :mod:`~relaygr_engine.serving.metrics`.
     """
 
     def __init__(self, spec: ReplicaSpec) -> None:
@@ -193,25 +95,31 @@ class RelayReplica:
         self.metrics = EngineMetrics.ray_serve() if self.actor_name is not None else None
         self._inflight_prefills = 0
         self._inflight_ranks = 0
-        self._serial = threading.Lock()  # requests reach the engine one at a time; the wait before it is measured
+        self.gate = EngineGate()
+        self.prefixes = PrefixStore(spec.max_kept_prefixes)
         self.load = LoadWindow()
         self._c = {"replica_prefill_requests": 0, "replica_prefill_rejections": 0, "replica_busy_rejections": 0,
-                   "replica_rank_requests": 0, "replica_foreign_tickets": 0}
+                   "replica_rank_requests": 0, "replica_foreign_tickets": 0, "replica_delta_rankings": 0,
+                   "replica_full_inference_rankings": 0}
 
     def _parse(self, body) -> tuple:
         if not isinstance(body, Mapping):
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
         return parse_user_id(body.get("user_id")), wire.behaviors_from_json(body, self.device, self.max_history)
 
-    def _engine_call(self, since: float, fn, *args) -> tuple:
-        """``fn(*args)`` on the engine once the replica's earlier engine calls are done, then (with metrics) its
-        counters exported, in the calling thread; returns ``(result, seconds queued since `since`)``."""
-        with self._serial:
-            waited = time.perf_counter() - since
+    def _ranking(self, user: int, fn, *args) -> tuple:
+        """``fn(*args)`` on the engine once the gate admits the ranking, then the engine's counters exported (with
+        metrics), in the calling (worker) thread; ``(result, seconds waited, seconds in the engine)``."""
+        with self.gate.ranking(user) as waited:
+            t0 = time.perf_counter()
             out = fn(*args)
-            if self.metrics is not None:
-                self.metrics.record_engine(self.engine.stats())
-        return out, waited
+            engine_s = time.perf_counter() - t0
+        self._export_engine()
+        return out, waited, engine_s
+
+    def _export_engine(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record_engine(self.engine.stats())
 
     def _record(self, kind: str, started: float, outcome: Optional[str] = None) -> None:
         """A request of ``kind`` answered: its latency and the in-flight gauge into the metrics."""
@@ -226,9 +134,9 @@ class RelayReplica:
             self.metrics.set_inflight("rank", self._inflight_ranks)
 
     # ---------------------------------------------------------------------------------------- handle methods
-    async def prefill(self, body: Mapping[str, Any]) -> dict:
+    async def prefill(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
         """Pre-infer the history of ``body`` (see :mod:`~relaygr_engine.serving.wire`); the reply's ``rejected``
-        asks the caller to forward it."""
+        asks the caller to forward it. ``timing`` (optional) receives the seconds of each stage."""
         started = time.perf_counter()
         user, history = self._parse(body)
         self._c["replica_prefill_requests"] += 1
@@ -239,53 +147,131 @@ class RelayReplica:
             self._record("prefill", started, "busy")
             return wire.prefill_reply(None, self.replica_id, user, reason="replica:busy")
         self._inflight_prefills += 1
+        parsed = time.perf_counter()
         try:
-            ticket, waited = await asyncio.to_thread(self._engine_call, started, self.engine.prefill_prefix, user,
-                                                     history)
+            ticket, waited, engine_s = await asyncio.to_thread(self._prefill_chunks, user, history)
         finally:
             self._inflight_prefills -= 1
+        if ticket is None:  # its ranking arrived first: the ranking computes what it needs
+            self._record("prefill", started, "superseded")
+            return wire.prefill_reply(None, self.replica_id, user, reason="superseded")
         self.load.prefilled(waited)
+        if ticket.admitted:
+            self.prefixes.keep(ticket, history, time.monotonic())
         reply = wire.prefill_reply(ticket, self.replica_id, user)
         if reply["rejected"]:
             self._c["replica_prefill_rejections"] += 1
         self._record("prefill", started, "admitted" if reply["admitted"] else
                      "rejected" if reply["rejected"] else "declined")
+        _timed(timing, parse=parsed - started, queue=waited, engine=engine_s)
         return reply
 
-    async def rank(self, body: Mapping[str, Any]) -> dict:
-        """Score the candidates of ``body`` over the longest prefix this replica holds (exact either way)."""
+    def _prefill_chunks(self, user: int, history) -> tuple:
+        """Pre-infer ``history`` in chunks of ``spec.prefill_chunk_tokens`` (one call when 0), each through the
+        gate, in the calling (worker) thread; ``(last ticket or None when superseded, seconds waited, seconds in
+        the engine)``. The engine's counters are exported once, at the end."""
+        chunk, trig = self.spec.prefill_chunk_tokens, self.engine.trigger
+        cached = self.engine.match_length(user, history) - history.num_context_tokens if chunk else 0
+        whole = trig.open(history.num_tokens) if isinstance(trig, WholePrefixTrigger) else None
+        ticket, waited, engine_s = None, 0.0, 0.0
+        try:
+            for n in chunk_targets(cached, len(history), chunk):
+                part = history if n == len(history) else history.prefix(n)
+                with self.gate.prefill(user) as (go, w):
+                    waited += w
+                    if not go:   # its ranking arrived before this chunk
+                        return None, waited, engine_s
+                    t0 = time.perf_counter()
+                    ticket = self._prefill_one(user, part, whole)
+                    engine_s += time.perf_counter() - t0
+                if not ticket.admitted:
+                    break
+        finally:
+            if whole is not None:
+                trig.close(whole)
+            self._export_engine()
+        return ticket, waited, engine_s
+
+    def _prefill_one(self, user: int, history, whole):
+        if whole is None:
+            return self.engine.prefill_prefix(user, history)
+        with self.engine.trigger.chunk(whole):
+            return self.engine.prefill_prefix(user, history)
+
+    async def rank(self, body: Mapping[str, Any], timing: Optional[dict] = None) -> dict:
+        """Score the candidates of ``body`` over the longest prefix this replica holds (exact either way); with
+        ``"full_inference": true`` by full inference, the cache neither read nor written (an A/B baseline).
+
+        Raises :class:`~relaygr_engine.serving.wire.NeedFullHistory` (HTTP 409) for a ranking by difference whose
+        prefix this replica does not hold, before anything changes."""
         started = time.perf_counter()
-        user, history = self._parse(body)
+        user, sent = self._parse(body)
         cands = wire.candidates_from_json(body, self.device, self.limits.max_candidates)
-        ticket = None
-        if body.get("ticket") is not None:
-            ticket, issuer = wire.ticket_from_json(body["ticket"])
-            if issuer != self.replica_id:  # issued elsewhere (the user was re-routed): it names no entry here
-                self._c["replica_foreign_tickets"] += 1
-                ticket = None
-            elif not ticket.admitted:
-                ticket = None
+        encoding = wire.encoding_of(body)
+        ref = wire.prefix_ref_from_json(body)
+        ticket = self._ticket(body)
         t_req = body.get("request_time")
         if t_req is not None:
             t_req = _checks.count("request_time", t_req)
-        req = RankRequest(user, history, cands, ticket, t_req)
+        full = body.get("full_inference", False)
+        if not isinstance(full, bool) or (full and (ref is not None or body.get("ticket") is not None)):
+            raise ValueError(f"full_inference must be true or false, and true without a ticket or prefix, got "
+                             f"{full!r}")
+        history = sent if ref is None else self._rebuild(ticket, ref, sent)
         self._c["replica_rank_requests"] += 1
         self._inflight_ranks += 1
+        parsed = time.perf_counter()
         try:
-            out, waited = await asyncio.to_thread(self._engine_call, started, self.engine.rank_with_prefix_batch,
-                                                  [req])
+            if full:
+                self._c["replica_full_inference_rankings"] += 1
+                fn, args = self._full_inference, (history, cands, t_req)
+            else:
+                fn, args = self.engine.rank_with_prefix_batch, ([RankRequest(user, history, cands, ticket, t_req)],)
+            out, waited, engine_s = await asyncio.to_thread(self._ranking, user, fn, *args)
             res = out[0]
         finally:
             self._inflight_ranks -= 1
+        if ticket is not None:
+            self.prefixes.forget(ticket)
         self.load.ranked(waited, time.perf_counter() - started, self.spec.slo_ms / 1e3,
                          missed_ticket=ticket is not None and res.source == "recompute")
         self._record("rank", started)
-        return wire.rank_reply(res, self.replica_id, ticket is not None)
+        _timed(timing, parse=parsed - started, queue=waited, engine=engine_s)
+        return wire.rank_reply(res, self.replica_id, ticket is not None, encoding)
+
+    def _ticket(self, body: Mapping[str, Any]):
+        """The request's admitted ticket of this replica, or None (none sent, not admitted, or another replica's)."""
+        if body.get("ticket") is None:
+            return None
+        ticket, issuer = wire.ticket_from_json(body["ticket"])
+        if issuer != self.replica_id:  # issued elsewhere (the user was re-routed): it names no entry here
+            self._c["replica_foreign_tickets"] += 1
+            return None
+        return ticket if ticket.admitted else None
+
+    def _rebuild(self, ticket, ref: tuple, sent):
+        """The whole history of a ranking by difference (NeedFullHistory when this replica lacks its prefix)."""
+        if ticket is None:
+            raise wire.NeedFullHistory("the ranking's ticket names no prefix of this replica: send the whole "
+                                       "history", "unknown_ticket")
+        history = self.prefixes.rebuild(ticket, ref[0], ref[1], sent, time.monotonic())
+        if len(history) > self.max_history:
+            raise ValueError(f"the history must hold at most max_history={self.max_history} behaviors, got "
+                             f"{len(history)}")
+        self._c["replica_delta_rankings"] += 1
+        return history
+
+    def _full_inference(self, history, candidates, request_time) -> list:
+        """Full inference without the cache (``model.rank_uncached``), as a one-element result list."""
+        with torch.inference_mode():
+            scores = self.engine.model.rank_uncached(history, candidates, request_time=request_time)
+        return [RankResult(scores=scores, source="full", cached_tokens=0, computed_tokens=history.num_tokens)]
 
     async def stats(self) -> dict:
-        """The engine's counters (:meth:`RelayEngine.stats`), the replica's, and its id."""
+        """The engine's counters (:meth:`RelayEngine.stats`), the replica's, its gate's and prefix store's, and its
+        id."""
         s = await asyncio.to_thread(self.engine.stats)
-        s.update(self._c)
+        s.update(self._c, **self.gate.stats(), **self.prefixes.stats())
         s["replica"] = self.replica_id
         return s
 
@@ -311,40 +297,14 @@ class RelayReplica:
                 "inflight_prefills": self._inflight_prefills, "inflight_ranks": self._inflight_ranks,
                 "accepts_prefill": (pinned < budget) and not busy}
 
-    # ---------------------------------------------------------------------------------------- HTTP
-    async def _read_json(self, request) -> Any:
-        """The request's JSON body, within ``spec.limits``: a declared or streamed size past ``max_body_bytes``
-        stops the read (:class:`~relaygr_engine.serving.wire.RequestTooLarge`)."""
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                raise ValueError(f"Content-Length must be a byte count, got {declared!r}")
-            self.limits.check_body_size(int(declared))
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            self.limits.check_body_size(size)
-            chunks.append(chunk)
-        return wire.parse_body(b"".join(chunks), self.limits)
-
     async def __call__(self, request):
-        """``POST .../prefill``, ``POST .../rank`` (JSON bodies), ``GET .../stats``; errors are JSON
-        ``{"error": ...}`` with status 413 (body past ``max_body_bytes``), 400 (other bad input, limits included)
-        or 404 (unknown path)."""
-        from starlette.responses import JSONResponse
+        """``POST .../prefill``, ``POST .../rank``, ``GET .../stats`` (:mod:`~relaygr_engine.serving.http_ingress`)."""
+        return await http_ingress.handle(self, request)
 
-        endpoint = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        try:
-            if endpoint == "stats" and request.method == "GET":
-                return JSONResponse(await self.stats())
-            if endpoint in ("prefill", "rank") and request.method == "POST":
-                body = await self._read_json(request)
-                return JSONResponse(await (self.prefill(body) if endpoint == "prefill" else self.rank(body)))
-        except ValueError as e:
-            status = 413 if isinstance(e, wire.RequestTooLarge) else 400
-            return JSONResponse({"error": str(e), "replica": self.replica_id}, status_code=status)
-        return JSONResponse({"error": f"unknown endpoint {request.method} {request.url.path}; valid: POST /prefill, "
-                                      "POST /rank, GET /stats"}, status_code=404)
+
+def _timed(timing: Optional[dict], **stages: float) -> None:
+    if timing is not None:
+        timing.update(stages)
 
 
 def build_app(spec: ReplicaSpec, *, num_replicas: int = 2, num_cpus: float = 1.0, num_gpus: float = 0.0,

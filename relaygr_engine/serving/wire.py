@@ -33,6 +33,19 @@ Rank reply::
 ``"recompute"``; ``ticket_used`` is false when no ticket came or it was issued by another replica (the user was
 re-routed, e.g. after a replica failure): that ranking computes what this replica does not hold.
 
+Compact arrays: with ``"encoding": "b64le"`` every id list of the request (``item_ids``, ``action_ids``,
+``timestamps``, ``context_ids``, ``candidates``) is instead a base64 string of little-endian int64 values, and the
+rank reply's ``scores`` is a base64 string of little-endian float32 values, row-major ``[C, num_tasks]``, with
+``"scores_shape": [C, num_tasks]``. Without ``encoding`` (or ``"json"``) everything is JSON lists, as above.
+
+Ranking by difference (:mod:`~relaygr_engine.serving.prefix_store`): a ranking that presents an admitted ticket
+may send, instead of its whole history, ``"prefix": {"num_tokens": N, "digest": "..."}`` (the ticket's
+``num_tokens`` and :func:`history_digest` of the history's first ``N`` tokens) with ``item_ids`` / ``action_ids`` /
+``timestamps`` holding only the behaviors after that prefix (no ``context_ids``: they belong to the prefix). The
+replica rebuilds the history from the prefix it pre-inferred; when it no longer holds that prefix or the digest
+differs it answers HTTP 409 with ``"need_full_history": true`` before anything changes, and the caller sends the
+whole history.
+
 Limits (:class:`RequestLimits`): an HTTP body is refused past ``max_body_bytes`` (from its Content-Length, or while
 it is read) and past ``max_json_depth`` nested arrays and objects (counted on the raw bytes) before it is parsed as
 JSON; a history list past ``max_history`` entries and candidates past ``max_candidates`` are refused before any
@@ -41,6 +54,10 @@ names the limit.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import enum
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -54,9 +71,10 @@ from ..engine import PrefixTicket, RankResult
 from ..models import Behaviors
 from .route_key import RouteKey, parse_user_id
 
-__all__ = ["REJECT_REASONS", "RequestLimits", "RequestTooLarge", "behaviors_to_json", "behaviors_from_json",
-           "ticket_to_json", "ticket_from_json", "candidates_from_json", "json_depth", "parse_body", "prefill_reply",
-           "rank_reply"]
+__all__ = ["REJECT_REASONS", "Encoding", "RequestLimits", "RequestTooLarge", "NeedFullHistory",
+           "behaviors_to_json", "behaviors_from_json", "ids_to_json", "ticket_to_json", "ticket_from_json",
+           "candidates_from_json", "history_digest", "prefix_ref_from_json", "json_depth", "parse_body",
+           "prefill_reply", "rank_reply", "scores_from_json"]
 
 MAX_JSON_DEPTH = 256
 """The most nesting :class:`RequestLimits` may allow (Python's JSON parser recurses once per level)."""
@@ -64,6 +82,22 @@ MAX_JSON_DEPTH = 256
 
 class RequestTooLarge(ValueError):
     """A request body past ``RequestLimits.max_body_bytes`` (HTTP 413)."""
+
+
+class NeedFullHistory(ValueError):
+    """A ranking by difference whose prefix this replica does not hold, or holds with another digest (HTTP 409):
+    nothing changed; send the whole history. ``reason``: ``"unknown_ticket"`` or ``"digest_mismatch"``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Encoding(str, enum.Enum):
+    """How a request's id lists (and a rank reply's scores) are written."""
+
+    JSON = "json"      # JSON lists of numbers
+    B64LE = "b64le"    # base64 of little-endian int64 ids / float32 scores
 
 
 @dataclass(frozen=True)
@@ -105,16 +139,13 @@ class RequestLimits:
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
-
-
 def json_depth(raw: bytes) -> int:
     """Deepest nesting of arrays and objects in JSON text ``raw`` (brackets inside strings do not count).
 
     Linear in ``len(raw)``, no recursion: safe to run on any body before it is parsed.
     """
     b = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
-    step = np.isin(b, _OPENERS).astype(np.int32) - np.isin(b, _CLOSERS)
+    step = ((b == ord("[")) | (b == ord("{"))).astype(np.int32) - ((b == ord("]")) | (b == ord("}")))
     return int(np.cumsum(step).max(initial=0))
 
 
@@ -129,7 +160,8 @@ def parse_body(raw: bytes, limits: RequestLimits) -> Any:
         Nested deeper than ``max_json_depth``, or not JSON.
     """
     limits.check_body_size(len(raw))
-    depth = json_depth(raw)
+    openers = raw.count(b"[") + raw.count(b"{")   # the depth is at most this: scanned only when it could pass
+    depth = json_depth(raw) if openers > limits.max_json_depth else openers
     if depth > limits.max_json_depth:
         raise ValueError(f"request body must nest JSON arrays and objects at most max_json_depth="
                          f"{limits.max_json_depth} deep, got {depth}")
@@ -142,7 +174,19 @@ REJECT_REASONS = frozenset({"pool_full", "trigger:footprint", "trigger:load", "r
 """Prefill reasons that mean "not now, try the next replica" (``replica:busy``: pending pre-infers at the bound)."""
 
 
-def _ids(name: str, value, limit: Optional[int] = None, limit_name: str = "") -> torch.Tensor:
+def encoding_of(body: Mapping[str, Any]) -> Encoding:
+    """The ``encoding`` of a request body (default JSON lists); ValueError for another value."""
+    value = body.get("encoding", Encoding.JSON.value)
+    try:
+        return Encoding(value)
+    except ValueError:
+        raise ValueError(f"encoding must be one of {', '.join(e.value for e in Encoding)}, got {value!r}") from None
+
+
+def _ids(name: str, value, limit: Optional[int] = None, limit_name: str = "",
+         encoding: Encoding = Encoding.JSON) -> torch.Tensor:
+    if encoding is Encoding.B64LE:
+        return _b64_ids(name, value, limit, limit_name)
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of integers, got {type(value).__name__}")
     if limit is not None and len(value) > limit:
@@ -156,19 +200,47 @@ def _ids(name: str, value, limit: Optional[int] = None, limit_name: str = "") ->
         raise ValueError(f"{name} must hold int64 values") from None
 
 
-def _tolist(x: Optional[torch.Tensor]) -> Optional[list]:
-    return None if x is None else x.detach().cpu().tolist()
+def _b64_ids(name: str, value, limit: Optional[int], limit_name: str) -> torch.Tensor:
+    """Ids from a base64 string of little-endian int64; the entry count is checked on the string's length, before
+    it is decoded."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a base64 string of little-endian int64 (encoding b64le), got "
+                         f"{type(value).__name__}")
+    if limit is not None and len(value) > 4 * -(-8 * limit // 3):  # base64 of `limit` int64 values at most
+        raise ValueError(f"{name} must hold at most {limit_name}={limit} entries, got a {len(value)}-character "
+                         "string (more)")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{name} must be a base64 string of little-endian int64 (encoding b64le)") from None
+    if len(raw) % 8:
+        raise ValueError(f"{name} must hold whole int64 values (a multiple of 8 bytes), got {len(raw)} bytes")
+    if limit is not None and len(raw) // 8 > limit:
+        raise ValueError(f"{name} must hold at most {limit_name}={limit} entries, got {len(raw) // 8}")
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i8").astype(np.int64))
 
 
-def behaviors_to_json(history: Behaviors) -> dict:
-    """The ``item_ids`` / ``action_ids`` / ``timestamps`` / ``context_ids`` fields of a request."""
+def ids_to_json(x: torch.Tensor, encoding: Encoding = Encoding.JSON):
+    """Ids ``[n]`` as a JSON list, or (``b64le``) a base64 string of little-endian int64."""
+    x = x.detach().cpu()
+    if Encoding(encoding) is Encoding.B64LE:
+        return base64.b64encode(x.numpy().astype("<i8", copy=False).tobytes()).decode("ascii")
+    return x.tolist()
+
+
+def behaviors_to_json(history: Behaviors, encoding: Encoding = Encoding.JSON) -> dict:
+    """The ``item_ids`` / ``action_ids`` / ``timestamps`` / ``context_ids`` fields of a request (``b64le``: with
+    ``"encoding"``)."""
     if not isinstance(history, Behaviors):
         raise ValueError(f"history must be a Behaviors, got {type(history).__name__}")
-    out = {"item_ids": _tolist(history.item_ids)}
+    encoding = Encoding(encoding)
+    out = {"item_ids": ids_to_json(history.item_ids, encoding)}
     for name in ("action_ids", "timestamps", "context_ids"):
         v = getattr(history, name)
         if v is not None:
-            out[name] = _tolist(v)
+            out[name] = ids_to_json(v, encoding)
+    if encoding is not Encoding.JSON:
+        out["encoding"] = encoding.value
     return out
 
 
@@ -179,10 +251,11 @@ def behaviors_from_json(body: Mapping[str, Any], device="cpu", max_history: Opti
         raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
     if "item_ids" not in body:
         raise ValueError("request body must have item_ids (the history, oldest first)")
+    encoding = encoding_of(body)
     fields = {}
     for name in ("item_ids", "action_ids", "timestamps", "context_ids"):
         if body.get(name) is not None:
-            fields[name] = _ids(name, body[name], max_history, "max_history").to(device)
+            fields[name] = _ids(name, body[name], max_history, "max_history", encoding).to(device)
     return Behaviors(**fields)
 
 
@@ -190,7 +263,40 @@ def candidates_from_json(body: Mapping[str, Any], device="cpu", max_candidates: 
     """The candidates of a rank request body (at most ``max_candidates``, checked before the tensor is made)."""
     if body.get("candidates") is None:
         raise ValueError("a rank request must have candidates (a list of item ids)")
-    return _ids("candidates", body["candidates"], max_candidates, "max_candidates").to(device)
+    return _ids("candidates", body["candidates"], max_candidates, "max_candidates", encoding_of(body)).to(device)
+
+
+def history_digest(history: Behaviors, num_tokens: Optional[int] = None) -> str:
+    """A digest of the first ``num_tokens`` history tokens (default all): 32 hex digits of BLAKE2b-128 over their
+    :meth:`~relaygr_engine.models.Behaviors.token_keys` as little-endian int64 (what a token is: contextual or
+    behavior, id, action, time), so two histories have equal digests exactly when those tokens agree."""
+    keys = history.token_keys()
+    n = keys.shape[0] if num_tokens is None else num_tokens
+    if not isinstance(n, int) or not 0 <= n <= keys.shape[0]:
+        raise ValueError(f"num_tokens must be an integer in [0, {keys.shape[0]}], got {num_tokens!r}")
+    return hashlib.blake2b(keys[:n].astype("<i8", copy=False).tobytes(), digest_size=16).hexdigest()
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+
+def prefix_ref_from_json(body: Mapping[str, Any]) -> Optional[tuple[int, str]]:
+    """``(num_tokens, digest)`` of a ranking by difference (its ``"prefix"``), or None for a whole history."""
+    ref = body.get("prefix")
+    if ref is None:
+        return None
+    if not isinstance(ref, Mapping) or set(ref) != {"num_tokens", "digest"}:
+        raise ValueError(f"prefix must be an object with num_tokens and digest, got {ref!r:.200}")
+    n, digest = ref["num_tokens"], ref["digest"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"prefix.num_tokens must be an integer >= 1, got {n!r}")
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise ValueError(f"prefix.digest must be 32 lowercase hex digits, got {digest!r:.80}")
+    if body.get("ticket") is None:
+        raise ValueError("a ranking with a prefix must present the ticket of that prefix")
+    if body.get("context_ids") is not None:
+        raise ValueError("a ranking with a prefix must not send context_ids (they belong to the prefix)")
+    return n, digest
 
 
 def ticket_to_json(ticket: PrefixTicket, replica: str) -> dict:
@@ -234,7 +340,24 @@ def prefill_reply(ticket: Optional[PrefixTicket], replica: str, user_id: int, re
             "ticket": ticket_to_json(ticket, replica) if admitted else None}
 
 
-def rank_reply(result: RankResult, replica: str, ticket_used: bool) -> dict:
-    return {"replica": replica, "scores": _tolist(result.scores.float()), "source": result.source,
-            "cached_tokens": result.cached_tokens, "computed_tokens": result.computed_tokens,
-            "ticket_used": ticket_used}
+def rank_reply(result: RankResult, replica: str, ticket_used: bool, encoding: Encoding = Encoding.JSON) -> dict:
+    """The reply to a ranking (``b64le``: scores as base64 float32 with ``scores_shape``)."""
+    scores = result.scores.detach().float().cpu()
+    out = {"replica": replica, "source": result.source, "cached_tokens": result.cached_tokens,
+           "computed_tokens": result.computed_tokens, "ticket_used": ticket_used}
+    if Encoding(encoding) is Encoding.B64LE:
+        out["scores"] = base64.b64encode(scores.numpy().astype("<f4", copy=False).tobytes()).decode("ascii")
+        out["scores_shape"] = list(scores.shape)
+    else:
+        out["scores"] = scores.tolist()
+    return out
+
+
+def scores_from_json(reply: Mapping[str, Any]) -> torch.Tensor:
+    """The float32 ``[C, num_tasks]`` scores of a rank reply (JSON lists, or base64 with ``scores_shape``)."""
+    scores = reply["scores"]
+    if isinstance(scores, str):
+        rows, cols = (int(v) for v in reply["scores_shape"])
+        flat = np.frombuffer(base64.b64decode(scores, validate=True), dtype="<f4")
+        return torch.from_numpy(flat.astype(np.float32).reshape(rows, cols))
+    return torch.tensor(scores, dtype=torch.float32)
