@@ -76,8 +76,9 @@ class RelayReplica:
     Engine calls go one at a time through the replica's :class:`~relaygr_engine.serving.gate.EngineGate`
     (rankings before pre-infers, a pre-infer superseded by its user's ranking dropped). Pre-infers run in a worker
     thread, so the replica's event loop stays free to answer routing-stats polls and to reject pre-infers at once;
-    a ranking that finds the engine free runs in the event loop's thread (no hop to a worker: about 0.5 ms less
-    on the shared 2-core VM), else it waits in a worker thread. The prefixes of its leased tickets are kept (:mod:`~relaygr_engine.serving.prefix_store`)
+    a ranking that presents this replica's ticket (its prefix cached: a short call) and finds the engine free runs
+    in the event loop's thread (no hop to a worker: about 0.5 ms less on the shared 2-core VM), every other one in
+    a worker thread. The prefixes of its leased tickets are kept (:mod:`~relaygr_engine.serving.prefix_store`)
     for rankings that send only the behaviors after them. Inside a Serve replica every request is also recorded in
     the Prometheus metrics of :mod:`~relaygr_engine.serving.metrics`.
     """
@@ -239,7 +240,10 @@ class RelayReplica:
                 fn, args = self._full_inference, (history, cands, t_req)
             else:
                 fn, args = self.engine.rank_with_prefix_batch, ([RankRequest(user, history, cands, ticket, t_req)],)
-            if self.gate.try_ranking(user):   # the engine is free: rank here, without a hop to a worker thread
+            # a ranking on a prefix this replica holds (a ticket of its own) is short: when the engine is free it
+            # runs here, without a hop to a worker thread; one that may compute a whole history does not block the
+            # event loop
+            if ticket is not None and self.gate.try_ranking(user):
                 out, waited, engine_s = self._ranking_now(fn, *args)
             else:
                 out, waited, engine_s = await asyncio.to_thread(self._ranking, user, fn, *args)
