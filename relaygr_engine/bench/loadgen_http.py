@@ -95,9 +95,7 @@ class HTTPDriver:
         """Query ``k`` arrives now (returns at once)."""
         t = self.clock()
         with self._cv:
-            if not 0 <= k < self.log.n or not np.isnan(self.log.issue[k]):
-                raise ValueError(f"k must be an unissued query in [0, {self.log.n}), got {k}")
-            self.log.issue[k], self.log.due[k] = t, t + self.delay_s
+            self.log.arrive(k, t, self.delay_s)
             self._pending += 1
         if self.relay and self.requests[k].prefix_len:
             self._count("signals")

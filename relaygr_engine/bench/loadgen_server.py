@@ -60,6 +60,13 @@ class QueryLog:
         self.source = [""] * self.n
         self.had_ticket = np.zeros(self.n, dtype=bool)
 
+    def arrive(self, k: int, t: float, delay_s: float) -> None:
+        """Query ``k`` issued at ``t``, its ranking due ``delay_s`` later; ValueError for a query out of range or
+        issued before (the caller holds the driver's lock)."""
+        if not 0 <= k < self.n or not np.isnan(self.issue[k]):
+            raise ValueError(f"k must be an unissued query in [0, {self.n}), got {k}")
+        self.issue[k], self.due[k] = t, t + delay_s
+
     @property
     def answered(self) -> np.ndarray:
         """Queries whose ranking was answered without error."""
@@ -125,9 +132,7 @@ class InProcessDriver:
         """Query ``k`` arrives now (called from LoadGen's issue thread: returns at once)."""
         t = self.clock()
         with self._cv:
-            if not 0 <= k < self.log.n or not np.isnan(self.log.issue[k]):
-                raise ValueError(f"k must be an unissued query in [0, {self.log.n}), got {k}")
-            self.log.issue[k], self.log.due[k] = t, t + self.delay_s
+            self.log.arrive(k, t, self.delay_s)
             self._tags[k] = tag
             self._pending += 1
             if self.relay:
